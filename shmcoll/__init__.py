@@ -1,0 +1,36 @@
+"""shmcoll: collective communication for processes on one machine, over shared memory.
+
+Start ranks with :func:`spawn`, :class:`Group` or ``shmcoll run`` + :func:`init`; each rank gets a
+:class:`Communicator` whose methods are the collectives.
+"""
+
+__version__ = "0.1.0"
+
+from shmcoll.comm import Communicator
+from shmcoll.errors import (
+    CollectiveMismatchError,
+    CollectiveTimeout,
+    CommunicatorBrokenError,
+    PeerLostError,
+    ShmcollError,
+    SpawnError,
+    UnsupportedError,
+)
+from shmcoll.launch import Group, init, spawn
+from shmcoll.types import ReduceOp
+
+__all__ = [
+    "CollectiveMismatchError",
+    "CollectiveTimeout",
+    "Communicator",
+    "CommunicatorBrokenError",
+    "Group",
+    "PeerLostError",
+    "ReduceOp",
+    "ShmcollError",
+    "SpawnError",
+    "UnsupportedError",
+    "__version__",
+    "init",
+    "spawn",
+]

@@ -1,0 +1,3 @@
+"""Algorithms: one module per algorithm, each registering builders for the collectives it serves."""
+
+from shmcoll.algos import direct  # noqa: F401  (registers)

@@ -1,0 +1,120 @@
+"""The algorithm registry: which builders serve which collective, and what each can serve.
+
+Adding an algorithm is one module in ``algos/`` with builders decorated by :func:`register`;
+the communicator, the automatic choice, the tests and the CLI's ``--algorithm`` choices all find
+it here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from shmcoll.plan.builder import Context
+
+# Algorithm names, spelled one way everywhere; the index is the algorithm's code in signatures.
+ALGORITHM_NAMES: tuple[str, ...] = (
+    "direct",
+    "ring",
+    "dbtree",
+    "halving_doubling",
+    "hierarchical",
+    "ps",
+    "pairwise",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Query:
+    """What an algorithm's ``supports`` predicate is asked about one call."""
+
+    collective: str
+    world_size: int
+    count: int
+    itemsize: int
+    root: int = 0
+    inplace: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.itemsize
+
+
+Builder = Callable[[Context], None]
+Supports = Callable[[Query], str | None]
+PieceRule = Callable[[int, int], int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    """A registered builder for one collective.
+
+    ``piece(slot_count, world_size)`` is the largest per-block count one pass of the builder may
+    handle so that no step moves more than ``slot_count`` elements. ``supports(query)`` returns
+    ``None`` when the algorithm can serve the call, else the reason it cannot.
+    """
+
+    collective: str
+    name: str
+    build: Builder
+    piece: PieceRule
+    supports: Supports
+    doc: str
+
+    @property
+    def code(self) -> int:
+        return ALGORITHM_NAMES.index(self.name)
+
+    def reason_unsupported(self, query: Query) -> str | None:
+        return self.supports(query)
+
+
+def _always(query: Query) -> str | None:
+    return None
+
+
+def one_slot(slot_count: int, world_size: int) -> int:
+    """Piece rule of builders whose every step moves a whole piece."""
+    return slot_count
+
+
+_REGISTRY: dict[tuple[str, str], Algorithm] = {}
+
+
+def register(
+    collective: str,
+    name: str,
+    *,
+    piece: PieceRule = one_slot,
+    supports: Supports = _always,
+) -> Callable[[Builder], Builder]:
+    """Register ``build`` as algorithm ``name`` of ``collective``."""
+    if name not in ALGORITHM_NAMES:
+        raise ValueError(f"unknown algorithm name {name!r}; add it to ALGORITHM_NAMES")
+
+    def decorate(build: Builder) -> Builder:
+        key = (collective, name)
+        if key in _REGISTRY:
+            raise ValueError(f"{collective}/{name} registered twice")
+        _REGISTRY[key] = Algorithm(collective, name, build, piece, supports, (build.__doc__ or "").strip())
+        return build
+
+    return decorate
+
+
+def get(collective: str, name: str) -> Algorithm:
+    from shmcoll import algos  # noqa: F401  (registers every builder)
+
+    try:
+        return _REGISTRY[(collective, name)]
+    except KeyError:
+        names = ", ".join(a.name for a in algorithms(collective)) or "none"
+        raise ValueError(f"no algorithm {name!r} for {collective}; registered: {names}") from None
+
+
+def algorithms(collective: str | None = None) -> list[Algorithm]:
+    """Registered algorithms (of one collective), in ALGORITHM_NAMES order."""
+    from shmcoll import algos  # noqa: F401
+
+    found = [a for a in _REGISTRY.values() if collective is None or a.collective == collective]
+    return sorted(found, key=lambda a: (a.collective, a.code))

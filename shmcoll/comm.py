@@ -1,0 +1,871 @@
+"""The Communicator: the API users call, and the only place status codes become exceptions.
+
+A call goes: check the arguments at the boundary (cheap checks on every call; the expensive
+ones, dtype/op/root/algorithm, once per call shape, when its plan is built and cached), look up
+the encoded plan by a cached key, run the jitted engine, and return. Only when the engine
+reports something other than OK does Python do more: resume after a time slice (checking the
+deadline and the peers' liveness meanwhile), or raise with the rank, the peer, the collective,
+its sequence number and the step in the message. Any error between ranks breaks the
+communicator and raises the arena's abort word, so the other ranks stop within milliseconds
+instead of waiting for their own timeouts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import psutil
+
+from shmcoll import config
+from shmcoll.algos import registry
+from shmcoll.algos.registry import ALGORITHM_NAMES, Query
+from shmcoll.algos.select import choose
+from shmcoll.engine import cpu as engine
+from shmcoll.errors import (
+    CollectiveMismatchError,
+    CollectiveTimeout,
+    CommunicatorBrokenError,
+    PeerLostError,
+    ShmcollError,
+)
+from shmcoll.plan import ir
+from shmcoll.plan.passes import segment
+from shmcoll.plan.verify import verify
+from shmcoll.shm import layout as L
+from shmcoll.shm.arena import Arena, ArenaHandle
+from shmcoll.types import (
+    BOOL,
+    DTYPE_CODE,
+    FLOAT16,
+    FLOAT32,
+    REDUCING,
+    ReduceOp,
+    engine_types,
+    supports,
+    valid_ops,
+)
+
+log = logging.getLogger("shmcoll")
+TRACE = 5
+logging.addLevelName(TRACE, "TRACE")
+
+_SLEEP_NS = 5_000_000  # longest single futex sleep: bounds how late an abort is noticed
+_SLICE_NS = 100_000_000  # how long the engine waits before Python checks deadline and peers
+_UINT16 = np.dtype(np.uint16)
+_UINT8 = np.dtype(np.uint8)
+
+
+class _RankPrefix(logging.LoggerAdapter):  # type: ignore[type-arg]
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        return f"[rank {self.extra['rank']}] {msg}", kwargs  # type: ignore[index]
+
+
+def _configure_logging(level_name: str) -> None:
+    if not level_name:
+        return
+    level = TRACE if level_name == "TRACE" else getattr(logging, level_name, logging.INFO)
+    log.setLevel(level)
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("shmcoll %(levelname)s %(message)s"))
+        log.addHandler(handler)
+
+
+def _as_op(op: ReduceOp | int | str) -> ReduceOp:
+    if isinstance(op, str):
+        try:
+            return ReduceOp[op.upper()]
+        except KeyError:
+            raise ValueError(f"unknown reduction op {op!r}; one of {[o.name for o in ReduceOp]}") from None
+    try:
+        return ReduceOp(op)
+    except ValueError:
+        raise ValueError(f"unknown reduction op {op!r}; one of {[o.name for o in ReduceOp]}") from None
+
+
+def _not_array(name: str, value: object) -> TypeError:
+    return TypeError(f"{name} must be a numpy.ndarray, got {type(value).__name__}")
+
+
+class _Call:
+    """Everything the hot path needs for one call shape, built once and cached."""
+
+    __slots__ = ("prog", "edt", "data", "tmp", "f16", "sig", "kind", "label", "dummy", "count")
+
+    def __init__(self, prog: np.ndarray, edt: np.dtype, data: np.ndarray, tmp: np.ndarray,
+                 f16: bool, sig: int, kind: str, label: str, count: int) -> None:
+        self.prog = prog
+        self.edt = edt
+        self.data = data
+        self.tmp = tmp
+        self.f16 = f16
+        self.sig = sig
+        self.kind = kind
+        self.label = label
+        self.dummy = np.empty(0, dtype=edt)
+        self.count = count
+
+
+class Communicator:
+    """A group of ranks that run collectives together; create one with :func:`shmcoll.spawn`,
+    :meth:`shmcoll.Group.connect` or :func:`shmcoll.init`.
+
+    Every method is collective over the communicator's ranks (except :meth:`send` and
+    :meth:`recv`), takes ``algorithm=`` (``"auto"`` or a registered name) and ``timeout=``
+    (seconds; default: the communicator's, ``SHMCOLL_TIMEOUT``), and works on C-contiguous
+    numpy arrays of any shape, treated as flat. Results are bitwise identical on every rank.
+    """
+
+    def __init__(self, arena: Arena, rank: int, *, timeout: float | None = None) -> None:
+        cfg = config.get()
+        _configure_logging(cfg.debug)
+        self._arena = arena
+        self._rank = rank
+        self._world_size = arena.layout.world_size
+        self._timeout = float(cfg.timeout_s if timeout is None else timeout)
+        if self._timeout <= 0:
+            raise ValueError(f"timeout must be > 0, got {timeout}")
+        self._ctrl = arena.ctrl
+        cores = len(os.sched_getaffinity(0))
+        oversubscribed = self._world_size > cores
+        spin = cfg.spin if cfg.spin is not None else (64 if oversubscribed else 20_000)
+        self._state = engine.new_state(
+            arena.layout, rank, spin=spin, yields=256 if oversubscribed else 32,
+            sleep_ns=_SLEEP_NS, slice_ns=_SLICE_NS,
+        )
+        self._calls: dict[tuple[Any, ...], _Call] = {}
+        self._scratch: dict[tuple[str, np.dtype], np.ndarray] = {}
+        self._broken: str | None = None
+        self._closed = False
+        self._verify = os.environ.get("SHMCOLL_VERIFY", "") == "1"
+        self._log = _RankPrefix(log, {"rank": rank})
+        arena.register(rank)
+        self._log.info("connected: world_size=%d, %d slots of %d bytes per ring, timeout %.1fs",
+                       self._world_size, arena.layout.nslots, arena.layout.slot_bytes, self._timeout)
+
+    # --- identity -----------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This process's rank, ``0 <= rank < world_size``."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks."""
+        return self._world_size
+
+    @property
+    def timeout(self) -> float:
+        """Default seconds a call may wait for its peers."""
+        return self._timeout
+
+    @property
+    def handle(self) -> ArenaHandle:
+        return self._arena.handle
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("broken" if self._broken else "ok")
+        return f"<shmcoll.Communicator rank {self._rank} of {self._world_size} ({state})>"
+
+    # --- collectives --------------------------------------------------------------------------
+    def allreduce(self, x: np.ndarray, op: ReduceOp | int | str = ReduceOp.SUM, *, out: np.ndarray | None = None,
+                  algorithm: str = "auto", timeout: float | None = None) -> np.ndarray:
+        """Combine ``x`` element-wise across ranks; every rank gets the result.
+
+        In place (the result overwrites ``x``) unless ``out`` is given. Returns the result.
+        """
+        if type(x) is not np.ndarray:
+            raise _not_array("x", x)
+        inplace = out is None or out is x
+        key = ("allreduce", x.dtype, x.size, op, algorithm, inplace)
+        call = self._calls.get(key)
+        if call is None:
+            call = self._prepare(key, "allreduce", x.dtype, x.size, op=op, algorithm=algorithm, inplace=inplace)
+        if inplace:
+            self._check_written(x, "x")
+            out = x
+        else:
+            self._check_read(x, "x")
+            self._check_out(out, x.shape, x.dtype)
+            self._check_disjoint(x, out)
+        self._run(call, x, out, timeout)
+        return out  # type: ignore[return-value]
+
+    def reduce(self, x: np.ndarray, root: int = 0, op: ReduceOp | int | str = ReduceOp.SUM, *,
+               out: np.ndarray | None = None, algorithm: str = "auto",
+               timeout: float | None = None) -> np.ndarray | None:
+        """Combine ``x`` element-wise across ranks onto ``root``.
+
+        Returns the result on ``root`` (in ``out`` if given, else a new array; ``out=x`` reduces
+        in place) and ``None`` elsewhere.
+        """
+        if type(x) is not np.ndarray:
+            raise _not_array("x", x)
+        self._check_read(x, "x")
+        at_root = self._rank == root
+        inplace = at_root and out is x
+        key = ("reduce", x.dtype, x.size, op, algorithm, inplace, root)
+        call = self._calls.get(key)
+        if call is None:
+            call = self._prepare(key, "reduce", x.dtype, x.size, op=op, algorithm=algorithm, inplace=inplace, root=root)
+        if at_root:
+            if out is None:
+                out = np.empty_like(x)
+            elif not inplace:
+                self._check_out(out, x.shape, x.dtype)
+                self._check_disjoint(x, out)
+            else:
+                self._check_written(x, "x")
+            self._run(call, x, out, timeout)
+            return out
+        self._run(call, x, None, timeout)
+        return None
+
+    def broadcast(self, x: np.ndarray, root: int = 0, *, out: np.ndarray | None = None,
+                  algorithm: str = "auto", timeout: float | None = None) -> np.ndarray:
+        """Copy root's ``x`` to every rank: in place in ``x`` (or into ``out``). Returns it."""
+        if type(x) is not np.ndarray:
+            raise _not_array("x", x)
+        inplace = out is None or out is x
+        key = ("broadcast", x.dtype, x.size, None, algorithm, inplace, root)
+        call = self._calls.get(key)
+        if call is None:
+            call = self._prepare(key, "broadcast", x.dtype, x.size, algorithm=algorithm, inplace=inplace, root=root)
+        if inplace:
+            out = x
+            if self._rank == root:
+                self._check_read(x, "x")
+            else:
+                self._check_written(x, "x")
+        else:
+            self._check_read(x, "x")
+            self._check_out(out, x.shape, x.dtype)
+            self._check_disjoint(x, out)
+        self._run(call, x, out, timeout)
+        return out  # type: ignore[return-value]
+
+    def allgather(self, x: np.ndarray, *, out: np.ndarray | None = None, algorithm: str = "auto",
+                  timeout: float | None = None) -> np.ndarray:
+        """Every rank's ``x``, stacked: shape ``(world_size, *x.shape)`` on every rank.
+
+        ``x`` may be ``out[rank]`` itself (in place).
+        """
+        if type(x) is not np.ndarray:
+            raise _not_array("x", x)
+        self._check_read(x, "x")
+        shape = (self._world_size, *x.shape)
+        if out is None:
+            out = np.empty(shape, dtype=x.dtype)
+            inplace = False
+        else:
+            self._check_out(out, shape, x.dtype)
+            inplace = self._is_block_of(x, out, self._rank)
+        key = ("allgather", x.dtype, x.size, None, algorithm, inplace)
+        call = self._calls.get(key)
+        if call is None:
+            call = self._prepare(key, "allgather", x.dtype, x.size, algorithm=algorithm, inplace=inplace)
+        self._run(call, x, out, timeout)
+        return out
+
+    def gather(self, x: np.ndarray, root: int = 0, *, out: np.ndarray | None = None,
+               algorithm: str = "auto", timeout: float | None = None) -> np.ndarray | None:
+        """Every rank's ``x`` stacked on ``root`` (shape ``(world_size, *x.shape)``); ``None``
+        elsewhere."""
+        if type(x) is not np.ndarray:
+            raise _not_array("x", x)
+        self._check_read(x, "x")
+        at_root = self._rank == root
+        inplace = False
+        if at_root:
+            shape = (self._world_size, *x.shape)
+            if out is None:
+                out = np.empty(shape, dtype=x.dtype)
+            else:
+                self._check_out(out, shape, x.dtype)
+                inplace = self._is_block_of(x, out, root)
+        key = ("gather", x.dtype, x.size, None, algorithm, inplace, root)
+        call = self._calls.get(key)
+        if call is None:
+            call = self._prepare(key, "gather", x.dtype, x.size, algorithm=algorithm, inplace=inplace, root=root)
+        self._run(call, x, out if at_root else None, timeout)
+        return out if at_root else None
+
+    def scatter(self, x: np.ndarray | None, root: int = 0, *, out: np.ndarray | None = None,
+                algorithm: str = "auto", timeout: float | None = None) -> np.ndarray:
+        """Block ``j`` of root's ``x`` (shape ``(world_size, *shape)``) to rank ``j``.
+
+        Non-root ranks pass ``x=None`` and must give ``out`` (it fixes the shape and dtype);
+        the root may omit it. Returns ``out``.
+        """
+        at_root = self._rank == root
+        inplace = False
+        if at_root:
+            if type(x) is not np.ndarray:
+                raise _not_array("x (at the root)", x)
+            self._check_read(x, "x")
+            if x.ndim == 0 or x.shape[0] != self._world_size:
+                raise ValueError(f"scatter: root's x must have shape (world_size={self._world_size}, ...), got {x.shape}")
+            if out is None:
+                out = np.empty(x.shape[1:], dtype=x.dtype)
+            else:
+                self._check_out(out, x.shape[1:], x.dtype)
+                inplace = self._is_block_of(out, x, root)
+            dtype, count = x.dtype, out.size
+        else:
+            if out is None:
+                raise ValueError("scatter: non-root ranks must pass out= (it gives the shape and dtype)")
+            if type(out) is not np.ndarray:
+                raise _not_array("out", out)
+            self._check_written(out, "out")
+            dtype, count = out.dtype, out.size
+        key = ("scatter", dtype, count, None, algorithm, inplace, root)
+        call = self._calls.get(key)
+        if call is None:
+            call = self._prepare(key, "scatter", dtype, count, algorithm=algorithm, inplace=inplace, root=root)
+        self._run(call, x if at_root else None, out, timeout)
+        return out
+
+    def reduce_scatter(self, x: np.ndarray, op: ReduceOp | int | str = ReduceOp.SUM, *,
+                       out: np.ndarray | None = None, algorithm: str = "auto",
+                       timeout: float | None = None) -> np.ndarray:
+        """Combine ``x`` across ranks and give rank ``j`` block ``j`` of the result.
+
+        ``x.shape[0]`` must be divisible by ``world_size``; the result has shape
+        ``(x.shape[0] // world_size, *x.shape[1:])``.
+        """
+        if type(x) is not np.ndarray:
+            raise _not_array("x", x)
+        self._check_read(x, "x")
+        n = self._world_size
+        if x.ndim == 0 or x.shape[0] % n:
+            raise ValueError(f"reduce_scatter: x.shape[0] must be divisible by world_size={n}, got shape {x.shape}")
+        shape = (x.shape[0] // n, *x.shape[1:])
+        if out is None:
+            out = np.empty(shape, dtype=x.dtype)
+            inplace = False
+        else:
+            self._check_out(out, shape, x.dtype)
+            inplace = self._is_block_of(out, x, self._rank)
+        key = ("reduce_scatter", x.dtype, out.size, op, algorithm, inplace)
+        call = self._calls.get(key)
+        if call is None:
+            call = self._prepare(key, "reduce_scatter", x.dtype, out.size, op=op, algorithm=algorithm, inplace=inplace)
+        self._run(call, x, out, timeout)
+        return out
+
+    def alltoall(self, x: np.ndarray, *, out: np.ndarray | None = None, algorithm: str = "auto",
+                 timeout: float | None = None) -> np.ndarray:
+        """Block ``j`` of each rank's ``x`` goes to rank ``j``: ``out[i]`` = rank ``i``'s
+        ``x[rank]``. ``x.shape[0]`` must be ``world_size``; ``out=x`` works in place."""
+        if type(x) is not np.ndarray:
+            raise _not_array("x", x)
+        n = self._world_size
+        if x.ndim == 0 or x.shape[0] != n:
+            raise ValueError(f"alltoall: x must have shape (world_size={n}, ...), got {x.shape}")
+        inplace = out is x
+        if inplace:
+            self._check_written(x, "x")
+        else:
+            self._check_read(x, "x")
+            if out is None:
+                out = np.empty_like(x)
+            else:
+                self._check_out(out, x.shape, x.dtype)
+                self._check_disjoint(x, out)
+        count = x.size // n
+        key = ("alltoall", x.dtype, count, None, algorithm, inplace)
+        call = self._calls.get(key)
+        if call is None:
+            call = self._prepare(key, "alltoall", x.dtype, count, algorithm=algorithm, inplace=inplace)
+        self._run(call, x, out, timeout)
+        return out  # type: ignore[return-value]
+
+    def barrier(self, *, timeout: float | None = None) -> None:
+        """Return once every rank has entered the barrier."""
+        key = ("barrier",)
+        call = self._calls.get(key)
+        if call is None:
+            call = self._prepare(key, "barrier", _UINT8, 0, algorithm="direct")
+        self._run(call, None, None, timeout)
+
+    # --- point to point -----------------------------------------------------------------------
+    def send(self, x: np.ndarray, dst: int, *, timeout: float | None = None) -> None:
+        """Send ``x`` to rank ``dst``; returns once the data is in shared memory.
+
+        Sends and receives between two ranks share the ordered channels that collectives use:
+        interleave them in the same order on both ranks.
+        """
+        if type(x) is not np.ndarray:
+            raise _not_array("x", x)
+        self._check_read(x, "x")
+        key = ("send", x.dtype, x.size, dst)
+        call = self._calls.get(key)
+        if call is None:
+            self._check_peer(dst, "dst")
+            call = self._prepare(key, "p2p", x.dtype, x.size, algorithm="direct", root=self._rank, peer=dst,
+                                 p2p_peer=dst, p2p_send=True)
+        self._run(call, x, None, timeout)
+
+    def recv(self, buf: np.ndarray, src: int, *, timeout: float | None = None) -> np.ndarray:
+        """Receive into ``buf`` what rank ``src`` sent (same size and dtype); returns ``buf``."""
+        if type(buf) is not np.ndarray:
+            raise _not_array("buf", buf)
+        self._check_written(buf, "buf")
+        key = ("recv", buf.dtype, buf.size, src)
+        call = self._calls.get(key)
+        if call is None:
+            self._check_peer(src, "src")
+            call = self._prepare(key, "p2p", buf.dtype, buf.size, algorithm="direct", root=src, peer=self._rank,
+                                 p2p_peer=src, p2p_send=False)
+        self._run(call, None, buf, timeout)
+        return buf
+
+    # --- object collectives -------------------------------------------------------------------
+    def broadcast_object(self, obj: Any, root: int = 0, *, timeout: float | None = None) -> Any:
+        """Root's picklable ``obj`` on every rank (root gets its own object back)."""
+        self._check_root(root)
+        payload, error = self._pickle(obj) if self._rank == root else (b"", None)
+        size = np.array([len(payload) if error is None else -1], dtype=np.int64)
+        self.broadcast(size, root=root, timeout=timeout)
+        if size[0] < 0:
+            if error is not None:
+                raise TypeError(f"broadcast_object: cannot pickle the object: {error}") from error
+            raise ValueError(f"broadcast_object: root rank {root} could not pickle its object")
+        buf = np.frombuffer(bytearray(payload), np.uint8) if self._rank == root else np.empty(int(size[0]), np.uint8)
+        self.broadcast(buf, root=root, timeout=timeout)
+        return obj if self._rank == root else pickle.loads(buf.tobytes())
+
+    def allgather_object(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
+        """Every rank's picklable ``obj``, as a list indexed by rank, on every rank."""
+        payload, error = self._pickle(obj)
+        sizes = self.allgather(np.array([len(payload) if error is None else -1], np.int64), timeout=timeout)[:, 0]
+        self._raise_pickle_failures("allgather_object", sizes, error)
+        blocks = self._padded(payload, int(sizes.max()))
+        everything = self.allgather(blocks, timeout=timeout)
+        return [obj if r == self._rank else pickle.loads(everything[r, : sizes[r]].tobytes())
+                for r in range(self._world_size)]
+
+    def gather_object(self, obj: Any, root: int = 0, *, timeout: float | None = None) -> list[Any] | None:
+        """Every rank's picklable ``obj`` as a list on ``root``; ``None`` elsewhere."""
+        self._check_root(root)
+        payload, error = self._pickle(obj)
+        sizes = self.allgather(np.array([len(payload) if error is None else -1], np.int64), timeout=timeout)[:, 0]
+        self._raise_pickle_failures("gather_object", sizes, error)
+        blocks = self._padded(payload, int(sizes.max()))
+        everything = self.gather(blocks, root=root, timeout=timeout)
+        if everything is None:
+            return None
+        return [obj if r == self._rank else pickle.loads(everything[r, : sizes[r]].tobytes())
+                for r in range(self._world_size)]
+
+    def scatter_object(self, objs: Sequence[Any] | None, root: int = 0, *, timeout: float | None = None) -> Any:
+        """Element ``j`` of root's sequence ``objs`` to rank ``j``."""
+        self._check_root(root)
+        error: Exception | None = None
+        payloads: list[bytes] = []
+        if self._rank == root:
+            if objs is None or len(objs) != self._world_size:
+                error = ValueError(f"scatter_object: root needs a sequence of world_size={self._world_size} objects")
+            else:
+                for o in objs:
+                    p, error = self._pickle(o)
+                    if error is not None:
+                        break
+                    payloads.append(p)
+        if self._rank == root and error is None:
+            sizes = np.array([len(p) for p in payloads], np.int64)
+        else:
+            sizes = np.full(self._world_size, -1, np.int64)  # non-roots: overwritten by the broadcast
+        self.broadcast(sizes, root=root, timeout=timeout)
+        if sizes[0] < 0:
+            if error is not None:
+                raise TypeError(f"scatter_object: {error}") from error
+            raise ValueError(f"scatter_object: root rank {root} could not pickle its objects")
+        width = int(sizes.max()) if len(sizes) else 0
+        blocks = np.zeros((self._world_size, width), np.uint8)
+        if self._rank == root:
+            for r, p in enumerate(payloads):
+                blocks[r, : len(p)] = np.frombuffer(p, np.uint8)
+        mine = np.empty(width, np.uint8)
+        self.scatter(blocks if self._rank == root else None, root=root, out=mine, timeout=timeout)
+        if self._rank == root:
+            return objs[root]  # type: ignore[index]
+        return pickle.loads(mine[: sizes[self._rank]].tobytes())
+
+    @staticmethod
+    def _pickle(obj: Any) -> tuple[bytes, Exception | None]:
+        try:
+            return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), None
+        except Exception as exc:  # noqa: BLE001  (anything pickling raises is the user's error)
+            return b"", exc
+
+    @staticmethod
+    def _padded(payload: bytes, width: int) -> np.ndarray:
+        block = np.zeros(width, np.uint8)
+        block[: len(payload)] = np.frombuffer(payload, np.uint8)
+        return block
+
+    def _raise_pickle_failures(self, what: str, sizes: np.ndarray, error: Exception | None) -> None:
+        failed = [int(r) for r in np.flatnonzero(sizes < 0)]
+        if not failed:
+            return
+        if error is not None:
+            raise TypeError(f"{what}: cannot pickle rank {self._rank}'s object: {error}") from error
+        raise ValueError(f"{what}: rank(s) {failed} could not pickle their objects")
+
+    # --- sub-communicators --------------------------------------------------------------------
+    def split(self, color: int | None, key: int | None = None, *, timeout: float | None = None) -> Communicator | None:
+        """New communicators, one per ``color``, ranked by ``(key, rank)``; collective.
+
+        Ranks passing ``color=None`` take part but get ``None``. Close the result when done.
+        """
+        if color is not None and (not isinstance(color, (int, np.integer)) or color < 0):
+            raise ValueError(f"split: color must be a non-negative int or None, got {color!r}")
+        key = self._rank if key is None else int(key)
+        infos = self.allgather_object((None if color is None else int(color), key), timeout=timeout)
+        members: list[int] = []
+        if color is not None:
+            members = [r for _, r in sorted((infos[r][1], r) for r in range(self._world_size) if infos[r][0] == color)]
+        arena: Arena | None = None
+        offer: Any = None
+        if members and members[0] == self._rank:
+            try:
+                lay = self._arena.layout
+                what = f"c{self._state[engine.S_SEQ]}r{self._rank}"
+                arena = Arena.create(len(members), lay.nslots, lay.slot_bytes, self._arena.handle.token, what)
+                offer = arena.handle
+            except ShmcollError as exc:
+                offer = str(exc)
+        offers = self.allgather_object(offer, timeout=timeout)
+        if color is None:
+            self.barrier(timeout=timeout)
+            return None
+        mine = offers[members[0]]
+        try:
+            if isinstance(mine, str):
+                raise ShmcollError(f"split: rank {members[0]} could not create the sub-communicator: {mine}")
+            if arena is None:
+                arena = Arena.attach(mine)
+            sub = Communicator(arena, members.index(self._rank), timeout=self._timeout)
+        finally:
+            # Everyone has attached (or failed) before the creator drops the name.
+            self.barrier(timeout=timeout)
+            if arena is not None and arena.segment.owner:
+                arena.segment.unlink()
+        return sub
+
+    # --- lifetime -----------------------------------------------------------------------------
+    def abort(self, reason: str = "") -> None:
+        """Make every rank's pending and future calls fail with :class:`CommunicatorBrokenError`."""
+        if self._closed:
+            return
+        engine.raise_abort(self._ctrl, self._state, L.ABORT_USER, -1, int(self._state[engine.S_TAG_SEQ]), 0, 0, 0)
+        self._broken = f"rank {self._rank} called abort()" + (f": {reason}" if reason else "")
+
+    def _abort_for_error(self, detail: str) -> None:
+        """Abort because this rank's own code failed; peers raise at once instead of timing out."""
+        if self._closed:
+            return
+        engine.raise_abort(self._ctrl, self._state, L.ABORT_ERROR, -1, self._seq(), 0, 0, 0)
+        self._broken = f"rank {self._rank} failed: {detail}"
+
+    def close(self) -> None:
+        """Leave the communicator (peers waiting on this rank will get :class:`PeerLostError`)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._calls.clear()
+        self._scratch.clear()
+        self._arena.deregister(self._rank, failed=self._broken is not None)
+        if self._arena.segment.owner:
+            self._arena.segment.unlink()
+        self._arena.close()
+        self._broken = self._broken or "the communicator is closed"
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- argument checks ----------------------------------------------------------------------
+    @staticmethod
+    def _check_read(a: np.ndarray, name: str) -> None:
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous (use np.ascontiguousarray)")
+
+    @staticmethod
+    def _check_written(a: np.ndarray, name: str) -> None:
+        flags = a.flags
+        if not flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous (use np.ascontiguousarray)")
+        if not flags.writeable:
+            raise ValueError(f"{name} is read-only but this call writes into it")
+
+    @staticmethod
+    def _check_out(out: Any, shape: tuple[int, ...], dtype: np.dtype) -> None:
+        if type(out) is not np.ndarray:
+            raise _not_array("out", out)
+        if out.shape != shape:
+            raise ValueError(f"out has shape {out.shape}, expected {shape}")
+        if out.dtype != dtype:
+            raise TypeError(f"out has dtype {out.dtype}, expected {dtype}")
+        flags = out.flags
+        if not flags.c_contiguous:
+            raise ValueError("out must be C-contiguous")
+        if not flags.writeable:
+            raise ValueError("out is read-only")
+
+    @staticmethod
+    def _check_disjoint(x: np.ndarray, out: np.ndarray) -> None:
+        if np.may_share_memory(x, out):
+            raise ValueError("x and out overlap: pass out=None (or out=x) to work in place, or disjoint arrays")
+
+    @staticmethod
+    def _is_block_of(part: np.ndarray, whole: np.ndarray, block: int) -> bool:
+        """Whether ``part`` is exactly block ``block`` of ``whole`` (the in-place form); raises
+        if they overlap any other way."""
+        if not np.may_share_memory(part, whole):
+            return False
+        start = whole.__array_interface__["data"][0] + block * (whole.nbytes // max(whole.shape[0], 1))
+        if part.__array_interface__["data"][0] == start and part.nbytes * whole.shape[0] == whole.nbytes:
+            return True
+        raise ValueError(f"the input and output overlap, but the input is not exactly block {block} of the output")
+
+    def _check_root(self, root: int) -> None:
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < self._world_size:
+            raise ValueError(f"root {root!r} out of range for world_size {self._world_size}")
+
+    def _check_peer(self, peer: int, name: str) -> None:
+        if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self._world_size:
+            raise ValueError(f"{name}={peer!r} out of range for world_size {self._world_size}")
+        if peer == self._rank:
+            raise ValueError(f"{name}={peer} is this rank itself")
+
+    # --- plans --------------------------------------------------------------------------------
+    def _prepare(self, key: tuple[Any, ...], kind: str, dtype: np.dtype, count: int, *, op: Any = ReduceOp.SUM,
+                 algorithm: str = "auto", inplace: bool = False, root: int = 0, peer: int = 0,
+                 p2p_peer: int = ir.NO_PEER, p2p_send: bool = False) -> _Call:
+        """Validate a call shape once and build, encode and cache its plan."""
+        self._check_usable()
+        if dtype not in DTYPE_CODE:
+            raise TypeError(f"unsupported dtype {dtype}; supported: {', '.join(d.name for d in DTYPE_CODE)}")
+        if kind in ("broadcast", "scatter", "gather", "reduce"):
+            self._check_root(root)
+        if not isinstance(algorithm, str):
+            raise TypeError(f"algorithm must be a string, got {algorithm!r}")
+        reducing = kind in REDUCING
+        f16 = False
+        if reducing:
+            rop = _as_op(op)
+            if not supports(rop, dtype):
+                valid = ", ".join(o.name for o in sorted(valid_ops(dtype)))
+                raise ValueError(f"op {rop.name} is not defined for dtype {dtype} (valid: {valid})")
+            edt, eop = engine_types(dtype, rop)
+            f16 = dtype == FLOAT16
+        else:
+            rop = ReduceOp.SUM
+            eop = ReduceOp.SUM
+            edt = _UINT8 if dtype == BOOL else (_UINT16 if dtype == FLOAT16 else dtype)
+        self._check_size(kind, count, dtype)
+        if f16:
+            inplace = False  # float16 runs through float32 scratch, never the user's buffers
+        query = Query(kind, self._world_size, count, edt.itemsize, root=root, inplace=inplace)
+        if kind in ("barrier", "p2p"):
+            alg = registry.get(kind, "direct")
+        else:
+            alg = choose(query, algorithm)
+        slot_count = self._arena.layout.slot_bytes // edt.itemsize
+        plan = segment(alg, self._world_size, count, slot_count, root=root, inplace=inplace, peer=peer)
+        if self._verify:
+            verify(plan, world_size=self._world_size, count=count, root=root, inplace=inplace,
+                   nslots=self._arena.layout.nslots, peer=peer)
+        sig = ir.pack_sig(kind, alg.code, dtype, int(rop), root if kind != "p2p" else 0, count)
+        prog = ir.encode(plan, self._rank, self._arena.layout.channel, int(eop), sig, p2p_peer, p2p_send)
+        tmp = self._scratch_array("tmp", edt, plan.tmp_count)
+        label = ir.describe_sig(sig, ALGORITHM_NAMES)
+        call = _Call(prog, edt, self._arena.view(edt), tmp, f16, sig, kind, label, count)
+        self._calls[key] = call
+        self._log.info("%s: algorithm %s, %d piece(s) of %d + tail %d, %d scratch elements",
+                       label, alg.name, plan.reps, plan.piece, plan.tail.count, plan.tmp_count)
+        return call
+
+    def _check_size(self, kind: str, count: int, dtype: np.dtype) -> None:
+        blocks = self._world_size if kind in ("allgather", "gather", "alltoall", "scatter", "reduce_scatter") else 1
+        nbytes = count * blocks * dtype.itemsize
+        total = psutil.virtual_memory().total
+        if nbytes > total:
+            raise ValueError(f"{kind} of {nbytes:,} bytes is larger than this machine's memory ({total:,} bytes)")
+
+    def _scratch_array(self, what: str, dtype: np.dtype, count: int) -> np.ndarray:
+        key = (what, dtype)
+        arr = self._scratch.get(key)
+        if arr is None or arr.size < count:
+            arr = self._scratch[key] = np.empty(max(count, 0), dtype=dtype)
+        return arr
+
+    # --- execution ----------------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise CommunicatorBrokenError(f"rank {self._rank}: communicator unusable: {self._broken}")
+
+    def _run(self, call: _Call, x: np.ndarray | None, out: np.ndarray | None, timeout: float | None) -> None:
+        if self._broken is not None:
+            self._check_usable()
+        edt = call.edt
+        if call.f16:
+            inp = self._scratch_array("f16in", FLOAT32, x.size)[: x.size]  # type: ignore[union-attr]
+            np.copyto(inp, x.reshape(-1))  # type: ignore[union-attr]
+            res = self._scratch_array("f16out", FLOAT32, out.size)[: out.size] if out is not None else call.dummy
+        else:
+            if x is None:
+                inp = call.dummy
+            else:
+                inp = x if x.ndim == 1 else x.reshape(-1)
+                if inp.dtype != edt:
+                    inp = inp.view(edt)
+                if not inp.flags.writeable:
+                    inp = self._scratch_array("ro", edt, inp.size)[: inp.size]
+                    np.copyto(inp, (x if x.ndim == 1 else x.reshape(-1)).view(edt))  # type: ignore[union-attr]
+            if out is None:
+                res = call.dummy
+            elif out is x:
+                res = inp
+            else:
+                res = out if out.ndim == 1 else out.reshape(-1)
+                if res.dtype != edt:
+                    res = res.view(edt)
+        st = engine.execute(call.prog, inp, res, call.tmp, call.data, self._ctrl, self._state)
+        if st != engine.OK:
+            self._wait_or_raise(st, call, inp, res, timeout)
+        if call.f16 and out is not None:
+            np.copyto(out.reshape(-1), res)
+
+    def _wait_or_raise(self, st: int, call: _Call, inp: np.ndarray, res: np.ndarray, timeout: float | None) -> None:
+        limit = self._timeout if timeout is None else float(timeout)
+        started = time.monotonic() - _SLICE_NS / 1e9
+        try:
+            while st != engine.OK:
+                if st == engine.WAITING:
+                    lost = self._lost_peer()
+                    if lost is not None:
+                        self._fail_peer_lost(call, *lost)
+                    if time.monotonic() - started > limit:
+                        self._fail_timeout(call, limit)
+                elif st == engine.ABORTED:
+                    self._fail_aborted(call)
+                elif st == engine.MISMATCH:
+                    self._fail_mismatch(call)
+                st = engine.execute(call.prog, inp, res, call.tmp, call.data, self._ctrl, self._state)
+        except ShmcollError:
+            raise
+        except BaseException as exc:  # KeyboardInterrupt mid-call: the call's state is half done
+            self._broken = f"rank {self._rank} was interrupted in {call.label} ({type(exc).__name__})"
+            engine.raise_abort(self._ctrl, self._state, L.ABORT_ERROR, -1, self._seq(), call.sig, self._step(), 0)
+            raise
+
+    def _seq(self) -> int:
+        return int(self._state[engine.S_TAG_SEQ])
+
+    def _step(self) -> int:
+        return int(self._state[engine.S_WAIT_STEP])
+
+    def _where(self, call: _Call) -> str:
+        return f"{call.label} (call #{self._seq()}, step {self._step()})"
+
+    def _lost_peer(self) -> tuple[int, str] | None:
+        """A peer this rank cannot finish without: the awaited one if gone, or any that died
+        in the middle of a call."""
+        waited = int(self._state[engine.S_WAIT_PEER])
+        for peer in range(self._world_size):
+            if peer == self._rank:
+                continue
+            status = self._arena.peer_status(peer)
+            if status in ("alive", "absent"):
+                continue
+            mid_call = self._arena.rank_field(peer, L.R_STATE) == L.STATE_IN_CALL
+            if peer == waited or mid_call or status == "failed":
+                return peer, status
+        return None
+
+    def _fail_peer_lost(self, call: _Call, peer: int, status: str) -> None:
+        pid = self._arena.rank_field(peer, L.R_PID)
+        how = {
+            "dead": f"its process (pid {pid}) is gone",
+            "exited": "it closed its communicator",
+            "failed": "it failed and left",
+        }.get(status, status)
+        msg = f"rank {self._rank}: peer rank {peer} was lost during {self._where(call)}: {how}"
+        engine.raise_abort(self._ctrl, self._state, L.ABORT_PEER_LOST, peer, self._seq(), call.sig, self._step(), 0)
+        self._broken = msg
+        raise PeerLostError(msg, dead_rank=peer)
+
+    def _activity(self, rank: int) -> str:
+        a = self._arena
+        state = a.rank_field(rank, L.R_STATE)
+        done = f"last completed {ir.describe_sig(a.rank_field(rank, L.R_DONE_SIG), ALGORITHM_NAMES)} #{a.rank_field(rank, L.R_DONE_SEQ)}"
+        if a.rank_field(rank, L.R_PID) == 0:
+            return f"rank {rank}: never connected"
+        if state == L.STATE_IN_CALL:
+            cur = ir.describe_sig(a.rank_field(rank, L.R_CUR_SIG), ALGORITHM_NAMES)
+            return f"rank {rank}: in {cur} #{a.rank_field(rank, L.R_CUR_SEQ)} (step {a.rank_field(rank, L.R_CUR_STEP)}); {done}"
+        name = {L.STATE_IDLE: "not in a call", L.STATE_EXITED: "closed", L.STATE_FAILED: "failed"}.get(state, "?")
+        return f"rank {rank}: {name}; {done}"
+
+    def _fail_timeout(self, call: _Call, limit: float) -> None:
+        waited = int(self._state[engine.S_WAIT_PEER])
+        peers = "; ".join(self._activity(r) for r in range(self._world_size) if r != self._rank)
+        msg = (f"rank {self._rank}: {self._where(call)} timed out after {limit:g}s waiting for rank {waited}. "
+               f"Peers: {peers}")
+        engine.raise_abort(self._ctrl, self._state, L.ABORT_TIMEOUT, waited, self._seq(), call.sig, self._step(), 0)
+        self._broken = msg
+        raise CollectiveTimeout(msg)
+
+    def _fail_mismatch(self, call: _Call) -> None:
+        peer = int(self._state[engine.S_ERR_PEER])
+        their_seq = int(self._state[engine.S_ERR_SEQ])
+        their_sig = int(self._state[engine.S_ERR_SIG])
+        step = int(self._state[engine.S_ERR_STEP])
+        theirs = ir.describe_sig(their_sig, ALGORITHM_NAMES)
+        msg = (f"rank {self._rank} called {call.label} (call #{self._seq()}, step {step}) but rank {peer} "
+               f"called {theirs} (call #{their_seq}): ranks must call the same collectives, in the same "
+               f"order, with the same sizes, dtypes, ops and roots")
+        engine.raise_abort(self._ctrl, self._state, L.ABORT_MISMATCH, peer, their_seq, their_sig, step, 0)
+        self._broken = msg
+        raise CollectiveMismatchError(msg)
+
+    def _fail_aborted(self, call: _Call) -> None:
+        info = self._arena.abort_info()
+        deadline = time.monotonic() + 1.0
+        while info["code"] == -1 and time.monotonic() < deadline:  # the aborting rank is filling it
+            time.sleep(0.001)
+            info = self._arena.abort_info()
+        code, origin, peer = info["code"], info["origin"], info["peer"]
+        where = f"rank {self._rank}: {self._where(call)} aborted"
+        who = f"rank {origin}" if origin >= 0 else "the launcher"
+        if code == L.ABORT_PEER_LOST:
+            msg = f"{where}: {who} found peer rank {peer} lost"
+            self._broken = msg
+            raise PeerLostError(msg, dead_rank=peer)
+        if code == L.ABORT_TIMEOUT:
+            msg = f"{where}: {who} timed out waiting for rank {peer}"
+            self._broken = msg
+            raise CollectiveTimeout(msg)
+        if code == L.ABORT_MISMATCH:
+            mine = ir.describe_sig(self._arena.rank_field(origin, L.R_CUR_SIG), ALGORITHM_NAMES)
+            theirs = ir.describe_sig(info["sig"], ALGORITHM_NAMES)
+            msg = (f"{where}: mismatched collectives: rank {origin} called {mine} "
+                   f"(call #{self._arena.rank_field(origin, L.R_CUR_SEQ)}) but rank {peer} called {theirs} "
+                   f"(call #{info['seq']})")
+            self._broken = msg
+            raise CollectiveMismatchError(msg)
+        reason = L.ABORT_REASONS.get(code, f"abort code {code}")
+        msg = f"{where}: {who}: {reason}"
+        self._broken = msg
+        raise CommunicatorBrokenError(msg)

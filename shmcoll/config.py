@@ -1,0 +1,127 @@
+"""The one reader of ``SHMCOLL_*`` environment variables.
+
+Every knob lives in :class:`Config`, a frozen dataclass read once per process by :func:`load`
+(tests call ``load(env)`` with a dict). The variables:
+
+==========================  ===========================================================  =========
+variable                    meaning                                                      default
+==========================  ===========================================================  =========
+SHMCOLL_TIMEOUT             seconds a collective may wait for its peers                  60
+SHMCOLL_SLOT_BYTES          payload bytes of one ring slot (K/M suffixes)                64K
+SHMCOLL_NSLOTS              slots per ring                                               4
+SHMCOLL_SPIN                busy-wait iterations before yielding (auto: by core count)  auto
+SHMCOLL_DEBUG               log level of the ``shmcoll`` logger: INFO, TRACE, DEBUG     (off)
+SHMCOLL_ALGO                algorithm overrides, e.g. ``allreduce:ring,broadcast:dbtree``
+SHMCOLL_GROUP_SIZE          ranks per group for the hierarchical algorithm               topology
+SHMCOLL_TUNE_FILE           the table written by ``shmcoll tune``                       cache dir
+SHMCOLL_CACHE_DIR           where compiled kernels are cached                           ~/.cache
+SHMCOLL_RANK                set by ``shmcoll run``: this process's rank
+SHMCOLL_WORLD_SIZE          set by ``shmcoll run``: the number of ranks
+SHMCOLL_HANDLE              set by ``shmcoll run``: the group's handle
+==========================  ===========================================================  =========
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+_SUFFIXES = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """``"64K"`` -> 65536. Binary multiples; a trailing ``B``/``iB`` is allowed."""
+    if isinstance(text, int):
+        return text
+    s = text.strip().upper().replace("IB", "").rstrip("B") or "0"
+    unit = s[-1] if s[-1] in _SUFFIXES else ""
+    number = s[: len(s) - len(unit)] if unit else s
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (expected e.g. 512, 64K, 1M, 2G)") from None
+    if value < 0:
+        raise ValueError(f"size must be >= 0: {text!r}")
+    return int(value * _SUFFIXES[unit])
+
+
+def format_size(nbytes: int) -> str:
+    """65536 -> ``"64K"``: the shortest exact binary-suffixed spelling."""
+    for unit in ("T", "G", "M", "K"):
+        mult = _SUFFIXES[unit]
+        if nbytes >= mult and nbytes % mult == 0:
+            return f"{nbytes // mult}{unit}"
+    return str(nbytes)
+
+
+def _default_cache_dir(env: Mapping[str, str]) -> str:
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "shmcoll")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    timeout_s: float = 60.0
+    slot_bytes: int = 64 << 10
+    nslots: int = 4
+    spin: int | None = None
+    debug: str = ""
+    algo: str = ""
+    group_size: int | None = None
+    tune_file: str = ""
+    cache_dir: str = ""
+    rank: int | None = None
+    world_size: int | None = None
+    handle: str = ""
+
+
+def _int_or_none(value: str | None, name: str) -> int | None:
+    if value is None or value.strip() == "" or value.strip().lower() == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def load(env: Mapping[str, str] | None = None) -> Config:
+    """Read the configuration from ``env`` (default: ``os.environ``)."""
+    e = os.environ if env is None else env
+    cache_dir = e.get("SHMCOLL_CACHE_DIR") or _default_cache_dir(e)
+    timeout = e.get("SHMCOLL_TIMEOUT", "").strip()
+    cfg = Config(
+        timeout_s=float(timeout) if timeout else Config.timeout_s,
+        slot_bytes=parse_size(e.get("SHMCOLL_SLOT_BYTES", "") or Config.slot_bytes),
+        nslots=_int_or_none(e.get("SHMCOLL_NSLOTS"), "SHMCOLL_NSLOTS") or Config.nslots,
+        spin=_int_or_none(e.get("SHMCOLL_SPIN"), "SHMCOLL_SPIN"),
+        debug=e.get("SHMCOLL_DEBUG", "").strip().upper(),
+        algo=e.get("SHMCOLL_ALGO", "").strip(),
+        group_size=_int_or_none(e.get("SHMCOLL_GROUP_SIZE"), "SHMCOLL_GROUP_SIZE"),
+        tune_file=e.get("SHMCOLL_TUNE_FILE") or os.path.join(cache_dir, "tune.json"),
+        cache_dir=cache_dir,
+        rank=_int_or_none(e.get("SHMCOLL_RANK"), "SHMCOLL_RANK"),
+        world_size=_int_or_none(e.get("SHMCOLL_WORLD_SIZE"), "SHMCOLL_WORLD_SIZE"),
+        handle=e.get("SHMCOLL_HANDLE", ""),
+    )
+    if cfg.timeout_s <= 0:
+        raise ValueError(f"SHMCOLL_TIMEOUT must be > 0, got {cfg.timeout_s}")
+    return cfg
+
+
+_CURRENT: Config | None = None
+
+
+def get() -> Config:
+    """The process's configuration, read from the environment on first use."""
+    global _CURRENT
+    if _CURRENT is None:
+        _CURRENT = load()
+    return _CURRENT
+
+
+def reload() -> Config:
+    """Re-read the environment (after a test or the launcher changed it)."""
+    global _CURRENT
+    _CURRENT = load()
+    return _CURRENT

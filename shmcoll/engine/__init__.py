@@ -1,0 +1,1 @@
+"""Engines: the jitted interpreters of encoded plans."""

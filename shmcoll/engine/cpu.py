@@ -1,0 +1,404 @@
+"""The jitted interpreter of an encoded plan: the only code that loops over steps.
+
+``execute(prog, inp, out, tmp, data, ctrl, state)`` runs one rank's program for one call:
+``prog`` is the encoded table (``plan.ir``), ``inp``/``out``/``tmp`` the call's buffers, ``data``
+the whole arena viewed as the same dtype (slots are addressed inside it), ``ctrl`` the arena
+viewed as int64 (control words, slot tags) and ``state`` this rank's engine state (below).
+
+A step first waits until everything it needs is there: a full incoming slot (RECV) and a free
+outgoing slot (SEND); only then does it touch memory, so a step either runs completely or not
+at all. That makes the engine **resumable**: when a wait has lasted one time slice
+(``S_SLICE_NS``) it returns ``WAITING`` with its position saved in ``state``, Python checks the
+deadline and the peers' liveness (cheap there, awkward here), and calls ``execute`` again to
+carry on. Jitted code never raises; it returns a status and leaves details in ``state``.
+
+Waiting, in three stages, because ranks often outnumber cores here:
+
+1. spin with ``pause`` (``S_SPIN`` times): the hand-off costs ~60 ns when the peer runs on
+   another core;
+2. ``sched_yield`` (``S_YIELDS`` times): when the peer waits for *our* core, spinning would
+   stall both until the scheduler's tick, milliseconds per hand-off;
+3. sleep on the futex of the awaited counter (``S_SLEEP_NS`` at most per sleep, so the abort
+   word and the slice end are still checked). A sleeper announces itself in the channel's
+   waiters word first, then re-reads the counter; a publisher stores the counter then reads
+   the waiters word, both sequentially consistent, so one of them always sees the other and no
+   wake-up is lost. Publishers only make the futex syscall when someone sleeps.
+
+Every message carries the call's tag (seq, sig) in its slot header, checked on receipt: a peer
+in a different call is reported as ``MISMATCH`` with its tag, instead of mixing data.
+"""
+
+from __future__ import annotations
+
+from shmcoll.jit import jit
+from shmcoll.kernels.cpu import combine, copy
+from shmcoll.plan.ir import (
+    C_A_BUF,
+    C_A_OFF,
+    C_B_BUF,
+    C_B_OFF,
+    C_CH_IN,
+    C_CH_OUT,
+    C_COUNT,
+    C_D_BUF,
+    C_D_OFF,
+    C_OP,
+    C_PEER_IN,
+    C_PEER_OUT,
+    FINAL,
+    HD_KIND,
+    HD_NBODY,
+    HD_NTAIL,
+    HD_OP,
+    HD_P2P_PEER,
+    HD_P2P_SEND,
+    HD_PIECE,
+    HD_REPS,
+    HD_SIG,
+    RECV,
+    RECV_LEFT,
+    REDUCE,
+    SEND,
+    STORE,
+)
+from shmcoll.shm.atomics import (
+    compare_exchange,
+    cpu_pause,
+    fetch_add,
+    futex_wait,
+    futex_wake,
+    load_acquire,
+    load_seqcst,
+    monotonic_ns,
+    sched_yield,
+    store_release,
+    store_seqcst,
+)
+from shmcoll.shm.layout import (
+    AB_CODE,
+    AB_DETAIL,
+    AB_ORIGIN,
+    AB_PEER,
+    AB_SEQ,
+    AB_SIG,
+    AB_STEP,
+    C_HEAD,
+    C_HEAD_WAITERS,
+    C_TAIL,
+    C_TAIL_WAITERS,
+    CHANNEL_WORDS,
+    R_CUR_SEQ,
+    R_CUR_SIG,
+    R_CUR_STEP,
+    R_DONE_SEQ,
+    R_DONE_SIG,
+    R_STATE,
+    SLOT_HEADER_BYTES,
+    STATE_IDLE,
+    STATE_IN_CALL,
+)
+from shmcoll.types import KIND_CODE
+
+# Status codes returned by execute.
+OK = 0
+WAITING = 1
+ABORTED = 2
+MISMATCH = 3
+
+# Engine state: one int64 array per communicator, written by Python at set-up and by the engine.
+(
+    S_RANK,
+    S_WORLD,
+    S_SEQ,
+    S_ACTIVE,
+    S_PC,
+    S_PIECE,
+    S_PHASE,
+    S_TAG_SEQ,
+    S_SPIN,
+    S_YIELDS,
+    S_SLEEP_NS,
+    S_SLICE_NS,
+    S_NSLOTS,
+    S_SLOT_STRIDE,
+    S_SLOTS_BASE,
+    S_RING_BYTES,
+    S_CHAN_BASE,
+    S_RANK_WORD,
+    S_NCHANNELS,
+    S_WAIT_PEER,
+    S_WAIT_STEP,
+    S_ERR_PEER,
+    S_ERR_SEQ,
+    S_ERR_SIG,
+    S_ERR_STEP,
+) = range(25)
+S_P2P_BASE = 32  # then world_size send counters, then world_size receive counters
+
+
+def state_size(world_size: int) -> int:
+    return S_P2P_BASE + 2 * world_size
+
+
+_P2P = KIND_CODE["p2p"]
+_IN, _OUT, _TMP = 0, 1, 2
+
+
+@jit
+def _wait(ctrl, word, target, waiters, state, peer, row):  # type: ignore[no-untyped-def]
+    """Wait until ``ctrl[word] >= target``: spin, then yield, then sleep on the futex."""
+    if load_acquire(ctrl, word) >= target:
+        return OK
+    spin = state[S_SPIN]
+    i = 0
+    while i < spin:
+        cpu_pause()
+        if load_acquire(ctrl, word) >= target:
+            return OK
+        i += 1
+        if (i & 1023) == 0 and load_acquire(ctrl, AB_CODE) != 0:
+            return ABORTED
+    slice_end = monotonic_ns() + state[S_SLICE_NS]
+    yields = state[S_YIELDS]
+    j = 0
+    while True:
+        if load_acquire(ctrl, AB_CODE) != 0:
+            return ABORTED
+        if j < yields:
+            sched_yield()
+            j += 1
+        else:
+            fetch_add(ctrl, waiters, 1)
+            seen = load_seqcst(ctrl, word)
+            if seen < target:
+                futex_wait(ctrl, word, seen, state[S_SLEEP_NS])
+            fetch_add(ctrl, waiters, -1)
+        if load_acquire(ctrl, word) >= target:
+            return OK
+        if monotonic_ns() >= slice_end:
+            state[S_WAIT_PEER] = peer
+            state[S_WAIT_STEP] = row
+            return WAITING
+
+
+@jit
+def _publish(ctrl, word, value, waiters):  # type: ignore[no-untyped-def]
+    # seq_cst store then seq_cst load: pairs with the sleeper's fetch_add + re-read in _wait.
+    store_seqcst(ctrl, word, value)
+    if load_seqcst(ctrl, waiters) != 0:
+        futex_wake(ctrl, word)
+
+
+@jit
+def _pick(which, inp, out, tmp):  # type: ignore[no-untyped-def]
+    if which == _IN:
+        return inp
+    if which == _OUT:
+        return out
+    return tmp
+
+
+@jit
+def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no-untyped-def]
+    flags = prog[row, C_OP]
+    count = prog[row, C_COUNT]
+    nslots = state[S_NSLOTS]
+    item = data.itemsize
+    chan_base = state[S_CHAN_BASE]
+    tag_seq = state[S_TAG_SEQ]
+    sig = prog[0, HD_SIG]
+
+    recv = (flags & RECV) != 0
+    send = (flags & SEND) != 0
+    in_off = 0
+    tail_word = 0
+    tail = 0
+    if recv:
+        ch = prog[row, C_CH_IN]
+        cw = chan_base + ch * CHANNEL_WORDS
+        tail_word = cw + C_TAIL
+        tail = ctrl[tail_word]  # our own counter: no other process writes it
+        st = _wait(ctrl, cw + C_HEAD, tail + 1, cw + C_HEAD_WAITERS, state, prog[row, C_PEER_IN], row)
+        if st != OK:
+            return st
+        slot_byte = state[S_SLOTS_BASE] + ch * state[S_RING_BYTES] + (tail % nslots) * state[S_SLOT_STRIDE]
+        hdr = slot_byte // 8
+        if ctrl[hdr] != tag_seq or ctrl[hdr + 1] != sig:
+            state[S_ERR_PEER] = prog[row, C_PEER_IN]
+            state[S_ERR_SEQ] = ctrl[hdr]
+            state[S_ERR_SIG] = ctrl[hdr + 1]
+            state[S_ERR_STEP] = row
+            return MISMATCH
+        in_off = (slot_byte + SLOT_HEADER_BYTES) // item
+    out_off = 0
+    head_word = 0
+    head = 0
+    out_hdr = 0
+    if send:
+        ch = prog[row, C_CH_OUT]
+        cw = chan_base + ch * CHANNEL_WORDS
+        head_word = cw + C_HEAD
+        head = ctrl[head_word]
+        st = _wait(ctrl, cw + C_TAIL, head + 1 - nslots, cw + C_TAIL_WAITERS, state, prog[row, C_PEER_OUT], row)
+        if st != OK:
+            return st
+        slot_byte = state[S_SLOTS_BASE] + ch * state[S_RING_BYTES] + (head % nslots) * state[S_SLOT_STRIDE]
+        out_hdr = slot_byte // 8
+        out_off = (slot_byte + SLOT_HEADER_BYTES) // item
+
+    if count > 0:
+        store = (flags & STORE) != 0
+        d_which = prog[row, C_D_BUF]
+        dst = _pick(d_which, inp, out, tmp)
+        doff = prog[row, C_D_OFF] + (base if d_which != _TMP else 0)
+        a_which = prog[row, C_A_BUF]
+        x = _pick(a_which, inp, out, tmp)
+        xoff = prog[row, C_A_OFF] + (base if a_which != _TMP else 0)
+        if (flags & REDUCE) != 0:
+            b_which = prog[row, C_B_BUF]
+            y = _pick(b_which, inp, out, tmp)
+            yoff = prog[row, C_B_OFF] + (base if b_which != _TMP else 0)
+            if recv:
+                if (flags & RECV_LEFT) != 0:
+                    x = data
+                    xoff = in_off
+                else:
+                    y = data
+                    yoff = in_off
+            divisor = state[S_WORLD] if (flags & FINAL) != 0 else 0
+            op = prog[0, HD_OP]
+            if send:
+                combine(data, out_off, dst, doff, store, x, xoff, y, yoff, count, op, divisor)
+            else:
+                combine(dst, doff, dst, doff, False, x, xoff, y, yoff, count, op, divisor)
+        else:
+            if recv:
+                x = data
+                xoff = in_off
+            if send:
+                copy(data, out_off, dst, doff, store, x, xoff, count)
+            elif store:
+                copy(dst, doff, dst, doff, False, x, xoff, count)
+
+    if send:
+        ctrl[out_hdr] = tag_seq
+        ctrl[out_hdr + 1] = sig
+        cw = chan_base + prog[row, C_CH_OUT] * CHANNEL_WORDS
+        _publish(ctrl, head_word, head + 1, cw + C_HEAD_WAITERS)
+    if recv:
+        cw = chan_base + prog[row, C_CH_IN] * CHANNEL_WORDS
+        _publish(ctrl, tail_word, tail + 1, cw + C_TAIL_WAITERS)
+    return OK
+
+
+@jit
+def execute(prog, inp, out, tmp, data, ctrl, state):  # type: ignore[no-untyped-def]
+    """Run (or resume) this rank's program for one call; returns a status code."""
+    rank_word = state[S_RANK_WORD]
+    if state[S_ACTIVE] == 0:
+        if load_acquire(ctrl, AB_CODE) != 0:
+            return ABORTED
+        if prog[0, HD_KIND] == _P2P:
+            peer = prog[0, HD_P2P_PEER]
+            idx = S_P2P_BASE + (peer if prog[0, HD_P2P_SEND] != 0 else state[S_WORLD] + peer)
+            state[idx] += 1
+            state[S_TAG_SEQ] = state[idx]
+        else:
+            state[S_SEQ] += 1
+            state[S_TAG_SEQ] = state[S_SEQ]
+        state[S_ACTIVE] = 1
+        state[S_PC] = 0
+        state[S_PIECE] = 0
+        state[S_PHASE] = 0
+        ctrl[rank_word + R_CUR_SIG] = prog[0, HD_SIG]
+        ctrl[rank_word + R_CUR_SEQ] = state[S_TAG_SEQ]
+        store_release(ctrl, rank_word + R_STATE, STATE_IN_CALL)
+
+    nbody = prog[0, HD_NBODY]
+    reps = prog[0, HD_REPS]
+    piece = prog[0, HD_PIECE]
+    while True:
+        if state[S_PHASE] == 0:
+            if state[S_PIECE] >= reps:
+                state[S_PHASE] = 1
+                state[S_PC] = 0
+                continue
+            base = state[S_PIECE] * piece
+            first = 1
+            nrows = nbody
+        else:
+            base = reps * piece
+            first = 1 + nbody
+            nrows = prog[0, HD_NTAIL]
+        pc = state[S_PC]
+        while pc < nrows:
+            st = _step(prog, first + pc, base, inp, out, tmp, data, ctrl, state)
+            if st != OK:
+                state[S_PC] = pc
+                ctrl[rank_word + R_CUR_STEP] = first + pc
+                return st
+            pc += 1
+        if state[S_PHASE] == 0:
+            state[S_PIECE] += 1
+            state[S_PC] = 0
+        else:
+            break
+
+    state[S_ACTIVE] = 0
+    ctrl[rank_word + R_DONE_SIG] = prog[0, HD_SIG]
+    ctrl[rank_word + R_DONE_SEQ] = state[S_TAG_SEQ]
+    store_release(ctrl, rank_word + R_STATE, STATE_IDLE)
+    return OK
+
+
+@jit
+def raise_abort(ctrl, state, code, peer, seq, sig, step, detail):  # type: ignore[no-untyped-def]
+    """Mark the arena aborted (first caller wins) and wake every sleeper; returns True if first."""
+    first = compare_exchange(ctrl, AB_CODE, 0, -1) == 0
+    if first:
+        ctrl[AB_ORIGIN] = state[S_RANK]
+        ctrl[AB_PEER] = peer
+        ctrl[AB_SEQ] = seq
+        ctrl[AB_SIG] = sig
+        ctrl[AB_STEP] = step
+        ctrl[AB_DETAIL] = detail
+        store_release(ctrl, AB_CODE, code)
+    chan_base = state[S_CHAN_BASE]
+    for ch in range(state[S_NCHANNELS]):
+        cw = chan_base + ch * CHANNEL_WORDS
+        futex_wake(ctrl, cw + C_HEAD)
+        futex_wake(ctrl, cw + C_TAIL)
+    return first
+
+
+def new_state(layout, rank: int, *, spin: int, yields: int, sleep_ns: int, slice_ns: int):  # type: ignore[no-untyped-def]
+    """A fresh engine state for ``rank`` of an arena with this ``layout``."""
+    import numpy as np
+
+    state = np.zeros(state_size(layout.world_size), dtype=np.int64)
+    state[S_RANK] = rank
+    state[S_WORLD] = layout.world_size
+    state[S_SPIN] = spin
+    state[S_YIELDS] = yields
+    state[S_SLEEP_NS] = sleep_ns
+    state[S_SLICE_NS] = slice_ns
+    state[S_NSLOTS] = layout.nslots
+    state[S_SLOT_STRIDE] = layout.slot_stride
+    state[S_SLOTS_BASE] = layout.slots_base
+    state[S_RING_BYTES] = layout.ring_bytes
+    state[S_CHAN_BASE] = layout.channels_base_word
+    state[S_RANK_WORD] = layout.rank_word(max(rank, 0), 0)
+    state[S_NCHANNELS] = layout.nchannels
+    return state
+
+
+def warm(dtypes) -> None:  # type: ignore[no-untyped-def]
+    """Compile (or load from the cache) the engine for each engine dtype, before ranks start."""
+    from numba import types
+    from numba.np.numpy_support import from_dtype
+
+    prog = types.Array(types.int64, 2, "C")
+    words = types.Array(types.int64, 1, "C")
+    for dt in dtypes:
+        arr = types.Array(from_dtype(dt), 1, "C")
+        execute.compile((prog, arr, arr, arr, arr, words, words))

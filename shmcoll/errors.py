@@ -1,0 +1,60 @@
+"""The exceptions shmcoll raises.
+
+Argument errors are plain ``ValueError``/``TypeError`` raised on the calling rank before any
+communication. Everything that goes wrong *between* ranks is a :class:`ShmcollError`; after one
+of those the communicator is broken and every later call raises
+:class:`CommunicatorBrokenError`.
+"""
+
+from __future__ import annotations
+
+
+class ShmcollError(RuntimeError):
+    """Base class of every error that involves more than the calling rank."""
+
+
+class CollectiveTimeout(ShmcollError, TimeoutError):
+    """A collective did not complete within its timeout.
+
+    The message names the peers that had not arrived and what each was last doing.
+    """
+
+
+class PeerLostError(ShmcollError):
+    """A peer process died (exception, signal, ``os._exit``) while others needed it."""
+
+    def __init__(self, message: str, dead_rank: int | None = None) -> None:
+        super().__init__(message)
+        self.dead_rank = dead_rank
+
+
+class CollectiveMismatchError(ShmcollError):
+    """Ranks called different collectives, or one collective with different arguments."""
+
+
+class CommunicatorBrokenError(ShmcollError):
+    """The communicator was aborted or failed earlier; create a new one."""
+
+
+class UnsupportedError(ShmcollError, ValueError):
+    """The request is well formed but this algorithm, dtype or op cannot serve it."""
+
+
+class SpawnError(ShmcollError):
+    """A rank started by :func:`shmcoll.spawn` or ``shmcoll run`` failed.
+
+    ``rank`` is the first rank that failed, ``exitcode`` its exit code (negative: killed by that
+    signal) and ``remote_traceback`` the traceback text it raised, when it raised one.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        rank: int | None = None,
+        exitcode: int | None = None,
+        remote_traceback: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.remote_traceback = remote_traceback

@@ -1,0 +1,1 @@
+"""Payload kernels: the only code that does arithmetic on user data."""

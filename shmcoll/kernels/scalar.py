@@ -1,0 +1,93 @@
+"""One scalar combiner per reduction op, shared by the CPU loops and the CUDA kernels.
+
+Each combiner matches the numpy ufunc element-wise, for every dtype the op is valid for:
+``np.add``, ``np.multiply``, ``np.minimum``/``np.maximum`` (a NaN operand wins; otherwise the
+left operand on ties, as numpy does) and the bitwise ufuncs. Integer results are stored back
+into the buffer's dtype, which wraps around exactly as numpy's arithmetic does.
+
+``divide_count`` is AVG's final step: true division for floating and complex values, numpy's
+floor division for integers.
+
+The engine is compiled once per dtype with every op in it, so each combiner must *type* for
+every dtype; where the op is not defined for a dtype (bitwise ops on floats, order on complex)
+it compiles to a placeholder that ``types.supports`` guarantees is never executed.
+"""
+
+from __future__ import annotations
+
+from numba import types
+from numba.extending import overload
+
+SUM, PROD, MIN, MAX, AVG, BAND, BOR, BXOR = range(8)
+
+
+def _stub(name: str):  # type: ignore[no-untyped-def]
+    def fn(a, b):  # type: ignore[no-untyped-def]
+        raise NotImplementedError(f"{name} is only callable from jitted code")
+
+    fn.__name__ = fn.__qualname__ = name
+    return fn
+
+
+add = _stub("add")
+multiply = _stub("multiply")
+minimum = _stub("minimum")
+maximum = _stub("maximum")
+bit_and = _stub("bit_and")
+bit_or = _stub("bit_or")
+bit_xor = _stub("bit_xor")
+divide_count = _stub("divide_count")
+
+_ORDERED = (types.Integer, types.Float, types.Boolean)
+_BITWISE = (types.Integer, types.Boolean)
+
+
+def _placeholder(a, b):  # type: ignore[no-untyped-def]
+    return a
+
+
+@overload(add)
+def _add(a, b):  # type: ignore[no-untyped-def]
+    return lambda a, b: a + b
+
+
+@overload(multiply)
+def _multiply(a, b):  # type: ignore[no-untyped-def]
+    return lambda a, b: a * b
+
+
+@overload(minimum)
+def _minimum(a, b):  # type: ignore[no-untyped-def]
+    if isinstance(a, _ORDERED):
+        # (a != a) is "a is NaN"; for integers it folds to False.
+        return lambda a, b: a if (a <= b or a != a) else b
+    return _placeholder
+
+
+@overload(maximum)
+def _maximum(a, b):  # type: ignore[no-untyped-def]
+    if isinstance(a, _ORDERED):
+        return lambda a, b: a if (a >= b or a != a) else b
+    return _placeholder
+
+
+@overload(bit_and)
+def _bit_and(a, b):  # type: ignore[no-untyped-def]
+    return (lambda a, b: a & b) if isinstance(a, _BITWISE) else _placeholder
+
+
+@overload(bit_or)
+def _bit_or(a, b):  # type: ignore[no-untyped-def]
+    return (lambda a, b: a | b) if isinstance(a, _BITWISE) else _placeholder
+
+
+@overload(bit_xor)
+def _bit_xor(a, b):  # type: ignore[no-untyped-def]
+    return (lambda a, b: a ^ b) if isinstance(a, _BITWISE) else _placeholder
+
+
+@overload(divide_count)
+def _divide_count(value, count):  # type: ignore[no-untyped-def]
+    if isinstance(value, types.Integer):
+        return lambda value, count: value // count
+    return lambda value, count: value / count

@@ -1,0 +1,1 @@
+"""Plans: the step vocabulary, builders' context, passes and the symbolic verifier."""

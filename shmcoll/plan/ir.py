@@ -1,0 +1,307 @@
+"""The plan vocabulary, the step instruction, and its encoding as an int64 table.
+
+Vocabulary (names elsewhere follow it):
+
+- **rank**: a process's index in its communicator, ``0 <= rank < world_size``; **peer**: the
+  other rank of a transfer; **root**: the rank a rooted collective starts from or ends at.
+- **count**: elements; **nbytes**: bytes.
+- **block**: the part of a buffer that belongs to one rank in a blocked collective (``gather``'s
+  output holds ``world_size`` blocks); **chunk**: the part of a buffer an algorithm assigns to
+  one rank (ring's reduce-scatter chunks).
+- **slot**: a fixed-size cell of a ring; **channel** (ring): one directed single-producer
+  single-consumer queue of slots between two ranks.
+- **segment**: what one step moves: at most one slot's payload.
+- **piece**: the sub-range of every block that one pass of an algorithm handles. A call's count
+  is cut into ``reps`` full pieces plus a tail piece, and the same step program (the **body**)
+  runs once per full piece, so plans stay small whatever the count and large messages pipeline
+  through a bounded number of slots.
+- **step**: one instruction of a rank's program; **program**: one rank's steps; **plan**: the
+  programs of all ranks for one call shape.
+- **seq**: the communicator's collective call counter (point-to-point transfers count per
+  channel instead); **sig**: the call's signature, packed into 64 bits and decodable.
+
+A step is one general transfer instruction, so that the engine stays a short loop::
+
+    X, Y   = region A, region B               (operands)
+    if RECV: the incoming slot replaces Y     (or X, with RECV_LEFT)
+    v      = REDUCE ? X (op) Y : X-or-slot    (FINAL: AVG's division, applied once)
+    if SEND:  outgoing slot <- v
+    if STORE: region D      <- v
+
+Regions name a buffer (IN, OUT, TMP) and an element offset. IN/OUT offsets are relative to the
+current piece (the engine adds the piece's base); TMP offsets are not (pieces reuse TMP).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import numpy as np
+
+from shmcoll.types import DTYPE_CODE, KIND_CODE, PLAN_KINDS, ReduceOp, dtype_name
+
+
+class Buf(enum.IntEnum):
+    IN = 0
+    OUT = 1
+    TMP = 2
+
+
+# Opcode flags.
+RECV = 1
+SEND = 2
+REDUCE = 4
+STORE = 8
+FINAL = 16
+RECV_LEFT = 32
+
+# Encoded step columns.
+(
+    C_OP,
+    C_PEER_IN,
+    C_CH_IN,
+    C_PEER_OUT,
+    C_CH_OUT,
+    C_A_BUF,
+    C_A_OFF,
+    C_B_BUF,
+    C_B_OFF,
+    C_D_BUF,
+    C_D_OFF,
+    C_COUNT,
+) = range(12)
+NCOLS = 12
+
+# Header row (row 0 of an encoded plan).
+(
+    HD_NBODY,
+    HD_NTAIL,
+    HD_REPS,
+    HD_PIECE,
+    HD_OP,
+    HD_SIG,
+    HD_KIND,
+    HD_P2P_PEER,
+    HD_P2P_SEND,
+) = range(9)
+
+NO_PEER = -1
+NO_BUF = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    buf: Buf
+    off: int
+
+    def __str__(self) -> str:
+        return f"{self.buf.name}[{self.off}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One instruction of a rank's program (see the module docstring for its meaning)."""
+
+    count: int
+    recv: int | None = None
+    send: int | None = None
+    a: Region | None = None
+    b: Region | None = None
+    dst: Region | None = None
+    reduce: bool = False
+    final: bool = False
+    recv_left: bool = False
+
+    def __post_init__(self) -> None:
+        if self.count < 0:
+            raise ValueError(f"negative count in {self}")
+        if self.reduce:
+            if self.recv is None and (self.a is None or self.b is None):
+                raise ValueError("a local reduce needs regions a and b")
+            if self.recv is not None and self.recv_left and self.b is None:
+                raise ValueError("recv_left reduce needs region b")
+            if self.recv is not None and not self.recv_left and self.a is None:
+                raise ValueError("reduce with a received right operand needs region a")
+        elif self.final:
+            raise ValueError("final needs reduce")
+        if self.recv is None and not self.reduce and (self.send is not None or self.dst is not None):
+            if self.a is None and self.count > 0:
+                raise ValueError("a step that sends or stores local data needs region a")
+        if self.recv is None and self.send is None and self.dst is None:
+            raise ValueError("a step must receive, send or store")
+
+    @property
+    def flags(self) -> int:
+        f = 0
+        if self.recv is not None:
+            f |= RECV
+        if self.send is not None:
+            f |= SEND
+        if self.reduce:
+            f |= REDUCE
+        if self.dst is not None:
+            f |= STORE
+        if self.final:
+            f |= FINAL
+        if self.recv_left:
+            f |= RECV_LEFT
+        return f
+
+    def operands(self) -> tuple[str, str]:
+        """The left and right operand of a reduce, as text: a region or ``recv(peer)``."""
+        x = str(self.a)
+        y = str(self.b)
+        if self.recv is not None:
+            if self.recv_left:
+                x = f"recv({self.recv})"
+            else:
+                y = f"recv({self.recv})"
+        return x, y
+
+    def __str__(self) -> str:
+        if self.reduce:
+            x, y = self.operands()
+            value = f"{x} (op) {y}" + (" /n" if self.final else "")
+        else:
+            value = f"recv({self.recv})" if self.recv is not None else str(self.a)
+        outs = []
+        if self.dst is not None:
+            outs.append(str(self.dst))
+        if self.send is not None:
+            outs.append(f"send({self.send})")
+        return f"{' + '.join(outs) or 'drop'} <- {value}  [{self.count}]"
+
+
+Program = list[Step]
+
+
+@dataclasses.dataclass
+class Plan:
+    """The programs of all ranks for one piece of a call."""
+
+    kind: str
+    algorithm: str
+    world_size: int
+    count: int
+    root: int
+    inplace: bool
+    programs: list[Program]
+    tmp_count: int = 0
+
+
+@dataclasses.dataclass
+class SegmentedPlan:
+    """A call: ``reps`` runs of ``body`` on consecutive pieces, then ``tail`` on the rest."""
+
+    body: Plan | None
+    tail: Plan
+    reps: int
+    piece: int
+
+    @property
+    def tmp_count(self) -> int:
+        return max(self.tail.tmp_count, self.body.tmp_count if self.body else 0)
+
+
+# --- call signatures -------------------------------------------------------------------------
+# marker:1 | kind:4 | algorithm:4 | dtype:5 | op:4 | root:12 | count:33 (low bits); the marker
+# bit keeps every signature non-zero (a zeroed slot never matches). Whether a call is in
+# place is not part of it: that changes only a rank's local copies, never its messages, and
+# ranks may differ in it (a rooted collective's root alone may be in place).
+_SIG_FIELDS = (("kind", 4), ("algorithm", 4), ("dtype", 5), ("op", 4), ("root", 12), ("count", 33))
+_SIG_MARKER = 1 << 62
+
+
+def pack_sig(kind: str, algorithm_code: int, dtype: np.dtype, op: int, root: int, count: int) -> int:
+    """Pack a call's description into a non-negative int64 that :func:`describe_sig` decodes."""
+    values = {
+        "kind": KIND_CODE[kind],
+        "algorithm": algorithm_code,
+        "dtype": DTYPE_CODE.get(np.dtype(dtype), 31),
+        "op": int(op),
+        "root": root,
+        "count": count,
+    }
+    sig = 0
+    shift = 0
+    for name, width in reversed(_SIG_FIELDS):
+        sig |= (values[name] & ((1 << width) - 1)) << shift
+        shift += width
+    return sig | _SIG_MARKER
+
+
+def unpack_sig(sig: int) -> dict[str, int]:
+    out = {}
+    shift = 0
+    for name, width in reversed(_SIG_FIELDS):
+        out[name] = (sig >> shift) & ((1 << width) - 1)
+        shift += width
+    return out
+
+
+def describe_sig(sig: int, algorithm_names: tuple[str, ...] = ()) -> str:
+    """``allreduce(count=10, float32, SUM, algorithm=ring)`` for a packed signature."""
+    if not sig & _SIG_MARKER:
+        return "no call"
+    f = unpack_sig(sig)
+    kind = PLAN_KINDS[f["kind"]] if f["kind"] < len(PLAN_KINDS) else f"kind#{f['kind']}"
+    parts = [f"count={f['count']}", dtype_name(f["dtype"])]
+    if kind in ("reduce", "allreduce", "reduce_scatter"):
+        parts.append(ReduceOp(f["op"]).name if f["op"] < len(ReduceOp) else f"op#{f['op']}")
+    if kind in ("broadcast", "scatter", "gather", "reduce"):
+        parts.append(f"root={f['root']}")
+    alg = f["algorithm"]
+    if alg < len(algorithm_names):
+        parts.append(f"algorithm={algorithm_names[alg]}")
+    return f"{kind}({', '.join(parts)})"
+
+
+# --- encoding --------------------------------------------------------------------------------
+def _encode_steps(steps: Program, rank: int, channel: object) -> np.ndarray:
+    rows = np.full((len(steps), NCOLS), -1, dtype=np.int64)
+    for i, s in enumerate(steps):
+        rows[i, C_OP] = s.flags
+        if s.recv is not None:
+            rows[i, C_PEER_IN] = s.recv
+            rows[i, C_CH_IN] = channel(s.recv, rank)  # type: ignore[operator]
+        if s.send is not None:
+            rows[i, C_PEER_OUT] = s.send
+            rows[i, C_CH_OUT] = channel(rank, s.send)  # type: ignore[operator]
+        for col_buf, col_off, region in ((C_A_BUF, C_A_OFF, s.a), (C_B_BUF, C_B_OFF, s.b), (C_D_BUF, C_D_OFF, s.dst)):
+            if region is not None:
+                rows[i, col_buf] = int(region.buf)
+                rows[i, col_off] = region.off
+            else:
+                rows[i, col_off] = 0
+        rows[i, C_COUNT] = s.count
+    return rows
+
+
+def encode(
+    plan: SegmentedPlan,
+    rank: int,
+    channel: object,
+    op: int,
+    sig: int,
+    p2p_peer: int = NO_PEER,
+    p2p_send: bool = False,
+) -> np.ndarray:
+    """One rank's program as an int64 table: a header row, the body rows, then the tail rows.
+
+    ``channel(src, dst)`` maps a rank pair to its channel index (``Layout.channel``).
+    """
+    body = _encode_steps(plan.body.programs[rank], rank, channel) if plan.body else np.empty((0, NCOLS), np.int64)
+    tail = _encode_steps(plan.tail.programs[rank], rank, channel)
+    header = np.zeros((1, NCOLS), dtype=np.int64)
+    header[0, HD_NBODY] = len(body)
+    header[0, HD_NTAIL] = len(tail)
+    header[0, HD_REPS] = plan.reps if plan.body else 0
+    header[0, HD_PIECE] = plan.piece
+    header[0, HD_OP] = int(op)
+    header[0, HD_SIG] = sig
+    header[0, HD_KIND] = KIND_CODE[plan.tail.kind]
+    header[0, HD_P2P_PEER] = p2p_peer
+    header[0, HD_P2P_SEND] = int(p2p_send)
+    table = np.concatenate([header, body, tail])
+    return np.ascontiguousarray(table)

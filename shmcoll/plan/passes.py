@@ -1,0 +1,133 @@
+"""Plan passes: cut a call into pieces, and fuse a receive with the send that forwards it.
+
+**Segmenting.** A builder writes the programs for a count whose every step fits one slot; the
+call's count is cut into ``reps`` full pieces handled by one *body* plan, run once per piece by
+the engine with a moving base offset, plus a *tail* plan for the remainder. Each piece is a
+complete collective on its sub-range, so ranks may be one piece apart with no ordering hazard,
+and the plan (and its verification) costs the same for 8 bytes as for 8 GiB.
+
+**Fusing.** ``recv -> R`` immediately followed by ``send R`` becomes one step that reads the
+incoming slot once and writes both the outgoing slot and ``R`` (dropping ``R`` when it is scratch
+that nothing reads later). That is the recv-reduce-send of ring and tree pipelines: without it,
+every forwarded segment would be re-read from memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shmcoll.algos.registry import Algorithm
+from shmcoll.plan.builder import Context
+from shmcoll.plan.ir import Buf, Plan, Program, Region, SegmentedPlan
+
+
+def _overlaps(a: Region | None, b: Region, count: int, a_count: int) -> bool:
+    return a is not None and a.buf == b.buf and a.off < b.off + count and b.off < a.off + a_count
+
+
+def _read_later(program: Program, start: int, region: Region, count: int) -> bool:
+    for step in program[start:]:
+        if _overlaps(step.a, region, count, step.count) or _overlaps(step.b, region, count, step.count):
+            return True
+    return False
+
+
+def fuse(plan: Plan) -> Plan:
+    """Fuse every ``recv -> R; send R`` pair of consecutive steps (see the module docstring)."""
+    fused_programs = []
+    for program in plan.programs:
+        out: Program = []
+        i = 0
+        while i < len(program):
+            s = program[i]
+            t = program[i + 1] if i + 1 < len(program) else None
+            if (
+                t is not None
+                and s.recv is not None
+                and s.send is None
+                and s.dst is not None
+                and s.count > 0
+                and t.recv is None
+                and t.send is not None
+                and not t.reduce
+                and t.a == s.dst
+                and t.count == s.count
+            ):
+                keep = s.dst.buf != Buf.TMP or _read_later(program, i + 2, s.dst, s.count)
+                out.append(dataclasses.replace(s, send=t.send, dst=s.dst if keep else None))
+                i += 2
+                continue
+            out.append(s)
+            i += 1
+        fused_programs.append(out)
+    return dataclasses.replace(plan, programs=fused_programs)
+
+
+def build_piece(
+    algorithm: Algorithm,
+    world_size: int,
+    count: int,
+    *,
+    block: int,
+    root: int = 0,
+    inplace: bool = False,
+    peer: int = 0,
+    options: dict[str, object] | None = None,
+    collective: str | None = None,
+) -> Plan:
+    """Run ``algorithm``'s builder for one piece of ``count`` elements per block, then fuse."""
+    ctx = Context(
+        kind=collective or algorithm.collective,
+        algorithm=algorithm.name,
+        world_size=world_size,
+        count=count,
+        root=root,
+        inplace=inplace,
+        block=block,
+        peer=peer,
+        options=dict(options or {}),
+    )
+    algorithm.build(ctx)
+    return fuse(ctx.plan())
+
+
+def segment(
+    algorithm: Algorithm,
+    world_size: int,
+    count: int,
+    slot_count: int,
+    *,
+    root: int = 0,
+    inplace: bool = False,
+    peer: int = 0,
+    options: dict[str, object] | None = None,
+) -> SegmentedPlan:
+    """The whole call: body pieces of at most one slot-load per step, then the tail."""
+    piece = max(1, algorithm.piece(max(1, slot_count), world_size))
+    kw = dict(root=root, inplace=inplace, peer=peer, options=options, block=count)
+    if count <= piece:
+        return SegmentedPlan(body=None, tail=build_piece(algorithm, world_size, count, **kw), reps=0, piece=piece)  # type: ignore[arg-type]
+    reps = (count - 1) // piece  # the tail is never empty: it is a full piece when count divides
+    body = build_piece(algorithm, world_size, piece, **kw)  # type: ignore[arg-type]
+    tail = build_piece(algorithm, world_size, count - reps * piece, **kw)  # type: ignore[arg-type]
+    return SegmentedPlan(body=body, tail=tail, reps=reps, piece=piece)
+
+
+def channel_skeleton(plan: Plan) -> list[list[tuple[str, int, int]]]:
+    """Each rank's message events in order, ``("recv"|"send", peer, count)``, fusion undone.
+
+    Whether a rank's buffers alias (in place) may change its local steps, never this: ranks
+    choose in place independently, so their message patterns must not depend on it.
+    """
+    skeletons = []
+    for program in plan.programs:
+        events = []
+        for s in program:
+            if s.recv is not None:
+                events.append(("recv", s.recv, s.count))
+            if s.send is not None:
+                events.append(("send", s.send, s.count))
+        skeletons.append(events)
+    return skeletons
+
+

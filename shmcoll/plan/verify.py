@@ -1,0 +1,268 @@
+"""The symbolic verifier: run a plan without processes and check it does what it claims.
+
+Every buffer element holds a symbolic value: ``("x", rank, index)`` for an input element,
+``("op", left, right)`` for a combination (operand order kept) and ``("avg", value)`` for AVG's
+final division. The ranks' programs run against bounded FIFO channels of ``nslots`` messages,
+exactly as the engine runs them (a step waits for its incoming message and a free outgoing slot,
+then acts). Ranks are sequential and every channel has one writer and one reader, so the run is
+a Kahn network with bounded buffers: whether it deadlocks does not depend on the schedule, and
+one schedule decides it.
+
+Checked: every receive meets a send of the same count; nothing blocks forever (deadlock); no
+message is left over; the collective's postcondition on every rank that has an output; every
+reduced element is a combination of each rank's contribution exactly once, divided once; and
+every rank holding an element of an allreduce holds the *same expression* for it, operand order
+included, so results are bitwise identical across ranks. A barrier must leave every rank having
+heard, directly or transitively, from every other.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+from shmcoll.plan.ir import Buf, Plan, Region, SegmentedPlan, Step
+
+Value = Any
+
+
+class PlanError(AssertionError):
+    """A plan failed verification; the message says which rank, step and element."""
+
+
+_BLOCKED_IN = {"scatter", "reduce_scatter", "alltoall"}
+_BLOCKED_OUT = {"gather", "allgather", "alltoall"}
+
+
+class _Rank:
+    def __init__(self, kind: str, rank: int, world_size: int, count: int, root: int, inplace: bool, tmp: int) -> None:
+        n = world_size
+        in_size = n * count if kind in _BLOCKED_IN else count
+        out_size = n * count if kind in _BLOCKED_OUT else count
+        # A buffer is (storage, offset into it): in-place calls make IN and OUT share storage.
+        self.bufs: dict[Buf, tuple[list[Value], int]] = {}
+        storage_in: list[Value] = [("x", rank, i) for i in range(in_size)]
+        aliased = inplace and not (kind in ("scatter", "gather") and rank != root)
+        if not aliased:
+            self.bufs[Buf.IN] = (storage_in, 0)
+            self.bufs[Buf.OUT] = ([None] * out_size, 0)
+        elif kind in ("allgather", "gather"):
+            storage = [None] * out_size
+            storage[rank * count : (rank + 1) * count] = storage_in
+            self.bufs[Buf.OUT] = (storage, 0)
+            self.bufs[Buf.IN] = (storage, rank * count)
+        elif kind in ("reduce_scatter", "scatter"):
+            own = root if kind == "scatter" else rank
+            self.bufs[Buf.IN] = (storage_in, 0)
+            self.bufs[Buf.OUT] = (storage_in, own * count)
+        else:
+            self.bufs[Buf.IN] = (storage_in, 0)
+            self.bufs[Buf.OUT] = (storage_in, 0)
+        self.bufs[Buf.TMP] = ([None] * tmp, 0)
+        self.heard = {rank}
+
+    def read(self, region: Region, base: int, count: int) -> list[Value]:
+        storage, off = self.bufs[region.buf]
+        start = off + region.off + (base if region.buf != Buf.TMP else 0)
+        if start < 0 or start + count > len(storage):
+            raise IndexError(f"{region} + base {base} x {count} outside {region.buf.name} of {len(storage) - off}")
+        return storage[start : start + count]
+
+    def write(self, region: Region, base: int, values: list[Value]) -> None:
+        storage, off = self.bufs[region.buf]
+        start = off + region.off + (base if region.buf != Buf.TMP else 0)
+        if start < 0 or start + len(values) > len(storage):
+            raise IndexError(f"{region} + base {base} x {len(values)} outside {region.buf.name}")
+        storage[start : start + len(values)] = values
+
+    def out(self) -> list[Value]:
+        storage, off = self.bufs[Buf.OUT]
+        return storage[off:]
+
+
+def _run(
+    kind: str,
+    world_size: int,
+    count: int,
+    root: int,
+    inplace: bool,
+    nslots: int,
+    programs: list[list[tuple[Step, int]]],
+    tmp: int,
+    label: str,
+) -> list[_Rank]:
+    ranks = [_Rank(kind, r, world_size, count, root, inplace, tmp) for r in range(world_size)]
+    channels: dict[tuple[int, int], collections.deque[tuple[int, list[Value], frozenset[int]]]] = (
+        collections.defaultdict(collections.deque)
+    )
+    pcs = [0] * world_size
+    while True:
+        progressed = False
+        for r in range(world_size):
+            while pcs[r] < len(programs[r]):
+                step, base = programs[r][pcs[r]]
+                where = f"{label}: rank {r} step {pcs[r]} ({step})"
+                if step.recv is not None and not channels[(step.recv, r)]:
+                    break
+                if step.send is not None and len(channels[(r, step.send)]) >= nslots:
+                    break
+                _execute(ranks[r], r, step, base, channels, where)
+                pcs[r] += 1
+                progressed = True
+        if all(pcs[r] == len(programs[r]) for r in range(world_size)):
+            break
+        if not progressed:
+            blocked = []
+            for r in range(world_size):
+                if pcs[r] < len(programs[r]):
+                    step, _ = programs[r][pcs[r]]
+                    blocked.append(f"rank {r} at step {pcs[r]} ({step})")
+            raise PlanError(f"{label}: deadlock with {nslots} slot(s) per ring: " + "; ".join(blocked))
+    leftover = {ch: len(q) for ch, q in channels.items() if q}
+    if leftover:
+        raise PlanError(f"{label}: messages never received: {leftover}")
+    return ranks
+
+
+def _execute(rank: _Rank, r: int, step: Step, base: int, channels: Any, where: str) -> None:
+    slot: list[Value] | None = None
+    if step.recv is not None:
+        n, slot, heard = channels[(step.recv, r)].popleft()
+        if n != step.count:
+            raise PlanError(f"{where}: receives {step.count} elements but rank {step.recv} sent {n}")
+        rank.heard |= heard
+    try:
+        if step.reduce:
+            x = slot if (slot is not None and step.recv_left) else rank.read(step.a, base, step.count)  # type: ignore[arg-type]
+            if slot is not None and not step.recv_left:
+                y = slot
+            else:
+                y = rank.read(step.b, base, step.count)  # type: ignore[arg-type]
+            value = [("op", a, b) for a, b in zip(x, y, strict=True)]
+            if step.final:
+                value = [("avg", v) for v in value]
+        elif slot is not None:
+            value = slot
+        elif step.a is not None:
+            value = rank.read(step.a, base, step.count)
+        else:
+            value = [None] * step.count
+        if step.send is not None:
+            channels[(r, step.send)].append((step.count, list(value), frozenset(rank.heard)))
+        if step.dst is not None:
+            rank.write(step.dst, base, list(value))
+    except IndexError as exc:
+        raise PlanError(f"{where}: {exc}") from None
+
+
+def _leaves(value: Value, out: list[tuple[int, int]], avgs: list[int], depth: int = 0) -> None:
+    if value is None:
+        raise ValueError("uninitialised element")
+    tag = value[0]
+    if tag == "x":
+        out.append((value[1], value[2]))
+    elif tag == "op":
+        _leaves(value[1], out, avgs, depth + 1)
+        _leaves(value[2], out, avgs, depth + 1)
+    elif tag == "avg":
+        avgs.append(depth)
+        _leaves(value[1], out, avgs, depth + 1)
+
+
+def _check_reduction(value: Value, expected: set[tuple[int, int]], where: str) -> None:
+    leaves: list[tuple[int, int]] = []
+    avgs: list[int] = []
+    try:
+        _leaves(value, leaves, avgs)
+    except ValueError as exc:
+        raise PlanError(f"{where}: {exc}") from None
+    if sorted(leaves) != sorted(expected):
+        raise PlanError(f"{where}: combines {sorted(leaves)}, expected each of {sorted(expected)} once")
+    if len(expected) > 1 and avgs != [0]:
+        raise PlanError(f"{where}: AVG's division applied {len(avgs)} times, not once at the end")
+
+
+def _check(kind: str, ranks: list[_Rank], world_size: int, count: int, root: int, peer: int, label: str) -> None:
+    n = world_size
+    outs = [rk.out() for rk in ranks]
+
+    def expect(r: int, i: int, value: Value) -> None:
+        if outs[r][i] != value:
+            raise PlanError(f"{label}: rank {r} output[{i}] = {outs[r][i]}, expected {value}")
+
+    if kind == "broadcast":
+        for r in range(n):
+            for i in range(count):
+                expect(r, i, ("x", root, i))
+    elif kind == "scatter":
+        for r in range(n):
+            for i in range(count):
+                expect(r, i, ("x", root, r * count + i))
+    elif kind == "gather":
+        for j in range(n):
+            for i in range(count):
+                expect(root, j * count + i, ("x", j, i))
+    elif kind == "allgather":
+        for r in range(n):
+            for j in range(n):
+                for i in range(count):
+                    expect(r, j * count + i, ("x", j, i))
+    elif kind == "alltoall":
+        for r in range(n):
+            for j in range(n):
+                for i in range(count):
+                    expect(r, j * count + i, ("x", j, r * count + i))
+    elif kind in ("reduce", "allreduce", "reduce_scatter"):
+        holders = [root] if kind == "reduce" else list(range(n))
+        for r in holders:
+            for i in range(count):
+                src = r * count + i if kind == "reduce_scatter" else i
+                _check_reduction(outs[r][i], {(j, src) for j in range(n)}, f"{label}: rank {r} output[{i}]")
+        if kind == "allreduce":
+            for i in range(count):
+                for r in range(1, n):
+                    if outs[r][i] != outs[0][i]:
+                        raise PlanError(
+                            f"{label}: output[{i}] is computed differently on rank {r} and rank 0 "
+                            f"(results would not be bitwise identical): {outs[r][i]} vs {outs[0][i]}"
+                        )
+    elif kind == "barrier":
+        for r, rk in enumerate(ranks):
+            if rk.heard != set(range(n)):
+                raise PlanError(f"{label}: rank {r} leaves the barrier without hearing from {set(range(n)) - rk.heard}")
+    elif kind == "p2p":
+        for i in range(count):
+            expect(peer, i, ("x", root, i))
+    else:
+        raise PlanError(f"no postcondition for {kind}")
+
+
+def verify(
+    plan: SegmentedPlan,
+    *,
+    world_size: int,
+    count: int,
+    root: int = 0,
+    inplace: bool = False,
+    nslots: int = 1,
+    peer: int = 0,
+) -> None:
+    """Check a whole call (``reps`` body pieces, then the tail); raises :class:`PlanError`."""
+    kind = plan.tail.kind
+    label = f"{kind}/{plan.tail.algorithm} n={world_size} count={count} root={root}" + (" in-place" if inplace else "")
+    programs: list[list[tuple[Step, int]]] = [[] for _ in range(world_size)]
+    for p in range(plan.reps):
+        assert plan.body is not None
+        for r in range(world_size):
+            programs[r].extend((s, p * plan.piece) for s in plan.body.programs[r])
+    for r in range(world_size):
+        programs[r].extend((s, plan.reps * plan.piece) for s in plan.tail.programs[r])
+    ranks = _run(kind, world_size, count, root, inplace, nslots, programs, plan.tmp_count, label)
+    _check(kind, ranks, world_size, count, root, peer, label)
+
+
+def verify_plan(plan: Plan, *, nslots: int = 1, peer: int = 0) -> None:
+    """Check one piece's plan on its own (a call that is exactly one piece)."""
+    seg = SegmentedPlan(body=None, tail=plan, reps=0, piece=max(plan.count, 1))
+    verify(seg, world_size=plan.world_size, count=plan.count, root=plan.root, inplace=plan.inplace,
+           nslots=nslots, peer=peer)

@@ -1,0 +1,1 @@
+"""Shared memory: segments, the arena layout, atomics and futexes."""

@@ -1,0 +1,196 @@
+"""A communicator's arena: one segment laid out by :mod:`shmcoll.shm.layout`.
+
+The creator fills the header; each rank attaches, checks the header (magic, version, job token,
+geometry: another job's or another version's segment is refused), claims its rank record with a
+compare-and-swap on the pid word, and counts itself in ATTACHED. The rank that brings ATTACHED to
+``world_size`` unlinks the name: from then on nothing can leak, whatever happens to the processes.
+
+Liveness: a rank's record holds its pid and its process start time. A peer is alive while a
+process with that pid *and that start time* exists and is not a zombie, so a recycled pid is
+never mistaken for the peer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import psutil
+
+from shmcoll.errors import ShmcollError
+from shmcoll.shm import layout as L
+from shmcoll.shm.atomics import atomic_add, atomic_cas, read_word, write_word
+from shmcoll.shm.segment import Segment, segment_name
+
+
+@dataclasses.dataclass(frozen=True)
+class ArenaHandle:
+    """Everything another process needs to attach: picklable, and encodable as one string."""
+
+    name: str
+    size: int
+    world_size: int
+    nslots: int
+    slot_bytes: int
+    token: str
+
+    def encode(self) -> str:
+        return f"{self.name}:{self.size}:{self.world_size}:{self.nslots}:{self.slot_bytes}:{self.token}"
+
+    @classmethod
+    def decode(cls, text: str) -> ArenaHandle:
+        try:
+            name, size, world_size, nslots, slot_bytes, token = text.split(":")
+            return cls(name, int(size), int(world_size), int(nslots), int(slot_bytes), token)
+        except ValueError:
+            raise ValueError(f"malformed shmcoll handle {text!r}") from None
+
+    @property
+    def layout(self) -> L.Layout:
+        return L.Layout(self.world_size, self.nslots, self.slot_bytes)
+
+
+def _token_word(token: str) -> int:
+    value = int(token, 16)
+    return value - (1 << 64) if value >= (1 << 63) else value
+
+
+def _process_start_us(pid: int) -> int:
+    return int(psutil.Process(pid).create_time() * 1e6)
+
+
+class Arena:
+    """A mapped arena and the views of it that the engine uses."""
+
+    def __init__(self, segment: Segment, handle: ArenaHandle) -> None:
+        self.segment = segment
+        self.handle = handle
+        self.layout = handle.layout
+        self.ctrl = segment.array(np.int64)
+        self._views: dict[np.dtype, np.ndarray] = {np.dtype(np.int64): self.ctrl}
+        self._procs: dict[int, psutil.Process] = {}
+
+    # --- lifetime -----------------------------------------------------------------------------
+    @classmethod
+    def create(cls, world_size: int, nslots: int, slot_bytes: int, token: str, what: str = "arena") -> Arena:
+        lay = L.Layout(world_size, nslots, slot_bytes)
+        name = segment_name(token, what)
+        purpose = f"the arena for {world_size} ranks ({nslots} slots of {slot_bytes} bytes per ring)"
+        seg = Segment.create(name, lay.total_bytes, what_for=purpose)
+        handle = ArenaHandle(name, lay.total_bytes, world_size, nslots, slot_bytes, token)
+        ctrl = seg.array(np.int64)
+        # Nobody else can see the segment yet: plain stores are fine, then publish MAGIC last.
+        ctrl[L.H_VERSION] = L.VERSION
+        ctrl[L.H_TOKEN] = _token_word(token)
+        ctrl[L.H_WORLD_SIZE] = world_size
+        ctrl[L.H_NSLOTS] = nslots
+        ctrl[L.H_SLOT_BYTES] = slot_bytes
+        ctrl[L.H_TOTAL] = lay.total_bytes
+        write_word(ctrl, L.H_MAGIC, L.MAGIC)
+        return cls(seg, handle)
+
+    @classmethod
+    def attach(cls, handle: ArenaHandle) -> Arena:
+        seg = Segment.attach(handle.name, handle.size)
+        try:
+            ctrl = seg.array(np.int64)
+            expected = {
+                "magic": (L.H_MAGIC, L.MAGIC),
+                "version": (L.H_VERSION, L.VERSION),
+                "job token": (L.H_TOKEN, _token_word(handle.token)),
+                "world_size": (L.H_WORLD_SIZE, handle.world_size),
+                "nslots": (L.H_NSLOTS, handle.nslots),
+                "slot_bytes": (L.H_SLOT_BYTES, handle.slot_bytes),
+            }
+            for what, (word, value) in expected.items():
+                found = int(read_word(ctrl, word))
+                if found != value:
+                    raise ShmcollError(
+                        f"segment {handle.name} is not this job's arena: {what} is {found:#x}, "
+                        f"expected {value:#x} (another job, another shmcoll version, or corrupted)"
+                    )
+            del ctrl
+            return cls(seg, handle)
+        except BaseException:
+            seg.close()
+            raise
+
+    def register(self, rank: int) -> None:
+        """Claim ``rank``'s record for this process and count it as attached."""
+        if not 0 <= rank < self.layout.world_size:
+            raise ValueError(f"rank {rank} out of range for world_size {self.layout.world_size}")
+        pid = os.getpid()
+        pid_word = self.layout.rank_word(rank, L.R_PID)
+        taken = int(atomic_cas(self.ctrl, pid_word, 0, pid))
+        if taken != 0 and taken != pid:
+            raise ShmcollError(f"rank {rank} is already connected (by pid {taken})")
+        write_word(self.ctrl, self.layout.rank_word(rank, L.R_START_US), _process_start_us(pid))
+        write_word(self.ctrl, self.layout.rank_word(rank, L.R_STATE), L.STATE_IDLE)
+        attached = int(atomic_add(self.ctrl, L.A_ATTACHED, 1)) + 1
+        if attached >= self.layout.world_size:
+            self.segment.unlink()
+
+    def deregister(self, rank: int, failed: bool = False) -> None:
+        state = L.STATE_FAILED if failed else L.STATE_EXITED
+        write_word(self.ctrl, self.layout.rank_word(rank, L.R_STATE), state)
+        atomic_add(self.ctrl, L.A_DETACHED, 1)
+
+    def close(self) -> None:
+        self._views.clear()
+        self.ctrl = np.empty(0, np.int64)
+        self.segment.close()
+
+    # --- views --------------------------------------------------------------------------------
+    def view(self, dtype: np.dtype) -> np.ndarray:
+        """The whole arena as a 1-d array of ``dtype`` (slots are addressed in it)."""
+        v = self._views.get(dtype)
+        if v is None:
+            v = self._views[dtype] = self.segment.array(dtype)
+        return v
+
+    # --- records ------------------------------------------------------------------------------
+    def word(self, index: int) -> int:
+        return int(read_word(self.ctrl, index))
+
+    def rank_field(self, rank: int, field: int) -> int:
+        return self.word(self.layout.rank_word(rank, field))
+
+    def attached(self) -> int:
+        return self.word(L.A_ATTACHED)
+
+    def peer_status(self, rank: int) -> str:
+        """``"absent"`` (not attached yet), ``"alive"``, ``"exited"``, ``"failed"`` or ``"dead"``."""
+        pid = self.rank_field(rank, L.R_PID)
+        if pid == 0:
+            return "absent"
+        state = self.rank_field(rank, L.R_STATE)
+        if state == L.STATE_EXITED:
+            return "exited"
+        if state == L.STATE_FAILED:
+            return "failed"
+        start_us = self.rank_field(rank, L.R_START_US)
+        proc = self._procs.get(rank)
+        try:
+            if proc is None or proc.pid != pid:
+                proc = self._procs[rank] = psutil.Process(pid)
+            if abs(int(proc.create_time() * 1e6) - start_us) > 10_000:
+                return "dead"  # the pid now belongs to another process
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return "dead"
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            return "dead"
+        except psutil.AccessDenied:
+            return "alive"
+        return "alive"
+
+    def abort_info(self) -> dict[str, int]:
+        return {
+            "code": self.word(L.AB_CODE),
+            "origin": self.word(L.AB_ORIGIN),
+            "peer": self.word(L.AB_PEER),
+            "seq": self.word(L.AB_SEQ),
+            "sig": self.word(L.AB_SIG),
+            "step": self.word(L.AB_STEP),
+            "detail": self.word(L.AB_DETAIL),
+        }

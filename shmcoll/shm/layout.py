@@ -1,0 +1,150 @@
+"""Where everything lives in a communicator's arena: pure offset arithmetic, no memory access.
+
+One arena per communicator. Every control word is a monotonic int64 counter (never a 0/1 flag
+reset in a careful order), and words written by different processes never share a 64-byte line,
+so a rank polling its own word never steals a line another rank is writing::
+
+    byte 0    +--------------------------------------------------------------------+
+              | header     MAGIC VERSION TOKEN WORLD_SIZE NSLOTS SLOT_BYTES TOTAL   |  line 0
+              | attach     ATTACHED (fetch_add at connect)  DETACHED                |  line 1
+              | abort      CODE ORIGIN PEER SEQ SIG STEP DETAIL                     |  line 2
+    192       +--------------------------------------------------------------------+
+              | rank r     PID START_US STATE CUR_SEQ CUR_SIG CUR_STEP DONE_SEQ     |  1 line
+              |            (written only by rank r; read by the others on errors)   |  per rank
+              +--------------------------------------------------------------------+
+              | channel c  producer line: HEAD          TAIL_WAITERS                |  2 lines
+              |            consumer line: TAIL          HEAD_WAITERS                |  per channel
+              +--------------------------------------------------------------------+
+              | ring c     slot 0 | slot 1 | ... | slot NSLOTS-1                      |  one ring
+              |            slot = SEQ SIG (16 B) + payload (SLOT_BYTES), 64-B aligned |  per channel
+              +--------------------------------------------------------------------+ TOTAL
+
+A channel is one directed single-producer single-consumer queue ``src -> dst``; there are
+``world_size * (world_size - 1)`` of them. The producer owns HEAD (messages published) and the
+consumer owns TAIL (messages consumed); ``HEAD - TAIL`` is the number of full slots and message
+``k`` lives in slot ``k % NSLOTS``. A sleeping consumer counts itself in HEAD_WAITERS, which
+sits on the consumer's line because the producer reads that line anyway; likewise
+TAIL_WAITERS on the producer's line.
+
+Each slot starts with the SEQ and SIG of the call that wrote it, so a receiver detects a peer
+that is in a different call (mismatch) on first contact; a payload of up to 48 bytes shares the
+cache line of its tag, so a small message costs the consumer one line.
+
+Footprint: ``192 + 64 n + 128 n (n - 1) + n (n - 1) NSLOTS round64(16 + SLOT_BYTES)`` bytes for
+``n`` ranks; with the defaults (4 slots of 64 KiB) that is about 256 KiB per channel: 0.5 MiB
+for 2 ranks, 3 MiB for 4, 14 MiB for 8, 63 MiB for 16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+LINE = 64
+WORDS_PER_LINE = LINE // 8
+MAGIC = 0x6C6C6F636D687300  # "\0shmcoll" little endian: a header that is not ours fails fast
+VERSION = 1
+SLOT_HEADER_BYTES = 16
+
+# Header words (int64 index).
+H_MAGIC, H_VERSION, H_TOKEN, H_WORLD_SIZE, H_NSLOTS, H_SLOT_BYTES, H_TOTAL = range(7)
+A_ATTACHED = 8  # line 1
+A_DETACHED = 9
+# Abort line (line 2): the first failing rank fills it, then publishes CODE last.
+AB_CODE = 16
+AB_ORIGIN = 17
+AB_PEER = 18
+AB_SEQ = 19
+AB_SIG = 20
+AB_STEP = 21
+AB_DETAIL = 22
+RANKS_BASE_WORD = 24
+# Rank record fields (offsets within the rank's line).
+R_PID, R_START_US, R_STATE, R_CUR_SEQ, R_CUR_SIG, R_CUR_STEP, R_DONE_SEQ, R_DONE_SIG = range(8)
+# Rank states.
+STATE_IDLE, STATE_IN_CALL, STATE_FAILED, STATE_EXITED = range(4)
+# Abort codes: why a communicator is broken.
+ABORT_NONE = 0
+ABORT_USER = 1
+ABORT_TIMEOUT = 2
+ABORT_PEER_LOST = 3
+ABORT_MISMATCH = 4
+ABORT_ERROR = 5
+ABORT_REASONS = {
+    ABORT_USER: "abort() was called",
+    ABORT_TIMEOUT: "a collective timed out",
+    ABORT_PEER_LOST: "a peer process died",
+    ABORT_MISMATCH: "ranks called mismatched collectives",
+    ABORT_ERROR: "a rank failed",
+}
+# Channel control fields (offsets from the channel's first word).
+C_HEAD = 0
+C_TAIL_WAITERS = 1
+C_TAIL = WORDS_PER_LINE
+C_HEAD_WAITERS = WORDS_PER_LINE + 1
+CHANNEL_WORDS = 2 * WORDS_PER_LINE
+
+
+def round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The arena geometry for ``world_size`` ranks, ``nslots`` slots of ``slot_bytes`` each."""
+
+    world_size: int
+    nslots: int
+    slot_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.nslots < 1:
+            raise ValueError(f"nslots must be >= 1, got {self.nslots}")
+        if self.slot_bytes < 64 or self.slot_bytes % 64:
+            raise ValueError(f"slot_bytes must be a multiple of 64, >= 64; got {self.slot_bytes}")
+
+    @property
+    def nchannels(self) -> int:
+        return self.world_size * (self.world_size - 1)
+
+    @property
+    def channels_base_word(self) -> int:
+        return RANKS_BASE_WORD + self.world_size * WORDS_PER_LINE
+
+    @property
+    def slot_stride(self) -> int:
+        return round_up(SLOT_HEADER_BYTES + self.slot_bytes, LINE)
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.nslots * self.slot_stride
+
+    @property
+    def slots_base(self) -> int:
+        return (self.channels_base_word + self.nchannels * CHANNEL_WORDS) * 8
+
+    @property
+    def total_bytes(self) -> int:
+        return self.slots_base + self.nchannels * self.ring_bytes
+
+    def rank_word(self, rank: int, field: int) -> int:
+        return RANKS_BASE_WORD + rank * WORDS_PER_LINE + field
+
+    def channel(self, src: int, dst: int) -> int:
+        """Index of the directed channel ``src -> dst``."""
+        if src == dst or not (0 <= src < self.world_size and 0 <= dst < self.world_size):
+            raise ValueError(f"no channel {src} -> {dst} among {self.world_size} ranks")
+        return src * (self.world_size - 1) + (dst if dst < src else dst - 1)
+
+    def channel_word(self, channel: int, field: int) -> int:
+        return self.channels_base_word + channel * CHANNEL_WORDS + field
+
+    def slot_offset(self, channel: int, index: int) -> int:
+        """Byte offset of slot ``index`` (0 <= index < nslots) of ``channel``'s ring."""
+        return self.slots_base + channel * self.ring_bytes + index * self.slot_stride
+
+
+def footprint_bytes(world_size: int, nslots: int, slot_bytes: int) -> int:
+    """Shared-memory bytes of one communicator's arena (the formula in this module's doc)."""
+    return Layout(world_size, nslots, slot_bytes).total_bytes

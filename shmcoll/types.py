@@ -1,0 +1,131 @@
+"""Reduction ops, the dtype table, collective names and which (op, dtype) pairs are valid.
+
+Reductions follow numpy's element-wise ufuncs: SUM is ``np.add``, PROD ``np.multiply``, MIN
+``np.minimum`` and MAX ``np.maximum`` (NaN propagates), BAND/BOR/BXOR the bitwise ufuncs. AVG is
+SUM divided by the world size once, by whichever rank finishes each element: true division for
+floating and complex dtypes, numpy's floor division (``//``) of the wrapped sum for integers.
+Integers wrap around as numpy's do. float16 is reduced in float32 and rounded once at the end.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+
+class ReduceOp(enum.IntEnum):
+    """How a reduction combines the ranks' elements."""
+
+    SUM = 0
+    PROD = 1
+    MIN = 2
+    MAX = 3
+    AVG = 4
+    BAND = 5
+    BOR = 6
+    BXOR = 7
+
+
+# Every collective name, spelled one way everywhere; the index is the collective's code in a
+# call signature. "barrier" and "p2p" are internal plans, not user-facing collective names.
+COLLECTIVES: tuple[str, ...] = (
+    "broadcast",
+    "scatter",
+    "gather",
+    "allgather",
+    "reduce",
+    "allreduce",
+    "reduce_scatter",
+    "alltoall",
+)
+INTERNAL_PLANS: tuple[str, ...] = ("barrier", "p2p")
+PLAN_KINDS: tuple[str, ...] = COLLECTIVES + INTERNAL_PLANS
+KIND_CODE: dict[str, int] = {name: code for code, name in enumerate(PLAN_KINDS)}
+
+REDUCING: frozenset[str] = frozenset({"reduce", "allreduce", "reduce_scatter"})
+ROOTED: frozenset[str] = frozenset({"broadcast", "scatter", "gather", "reduce"})
+
+# The dtype table: code (used in call signatures) -> numpy dtype.
+DTYPES: tuple[np.dtype, ...] = tuple(
+    np.dtype(t)
+    for t in (
+        np.bool_,
+        np.int8,
+        np.uint8,
+        np.int16,
+        np.uint16,
+        np.int32,
+        np.uint32,
+        np.int64,
+        np.uint64,
+        np.float16,
+        np.float32,
+        np.float64,
+        np.complex64,
+        np.complex128,
+    )
+)
+DTYPE_CODE: dict[np.dtype, int] = {dt: code for code, dt in enumerate(DTYPES)}
+
+_ALL_OPS = frozenset(ReduceOp)
+_ARITH = frozenset({ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG})
+_BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
+
+
+def valid_ops(dtype: np.dtype) -> frozenset[ReduceOp]:
+    """The reduction ops defined for ``dtype`` (empty for dtypes shmcoll cannot reduce)."""
+    kind = dtype.kind
+    if kind == "b":
+        return _ALL_OPS - {ReduceOp.AVG}
+    if kind in "iu":
+        return _ALL_OPS
+    if kind == "f":
+        return _ARITH
+    if kind == "c":
+        return frozenset({ReduceOp.SUM, ReduceOp.PROD, ReduceOp.AVG})
+    return frozenset()
+
+
+def supports(op: ReduceOp | int, dtype: np.dtype | type) -> bool:
+    """Whether ``op`` is a valid reduction for ``dtype``."""
+    dt = np.dtype(dtype)
+    return dt in DTYPE_CODE and ReduceOp(op) in valid_ops(dt)
+
+
+# bool is reduced as uint8 0/1 values, where numpy's logical meaning of each op is a bitwise one.
+_BOOL_AS_UINT8 = {
+    ReduceOp.SUM: ReduceOp.BOR,
+    ReduceOp.PROD: ReduceOp.BAND,
+    ReduceOp.MIN: ReduceOp.BAND,
+    ReduceOp.MAX: ReduceOp.BOR,
+    ReduceOp.BAND: ReduceOp.BAND,
+    ReduceOp.BOR: ReduceOp.BOR,
+    ReduceOp.BXOR: ReduceOp.BXOR,
+}
+
+FLOAT16 = np.dtype(np.float16)
+FLOAT32 = np.dtype(np.float32)
+UINT8 = np.dtype(np.uint8)
+BOOL = np.dtype(np.bool_)
+
+
+def engine_types(dtype: np.dtype, op: ReduceOp) -> tuple[np.dtype, ReduceOp]:
+    """The dtype the engine reduces in and the op it applies, for a user's (dtype, op).
+
+    bool runs as uint8 with the logical op's bitwise twin; float16 runs in float32 (the caller
+    converts at the boundaries); every other dtype runs as itself.
+    """
+    if dtype == BOOL:
+        return UINT8, _BOOL_AS_UINT8[op]
+    if dtype == FLOAT16:
+        return FLOAT32, op
+    return dtype, op
+
+
+def op_name(op: int) -> str:
+    return ReduceOp(op).name
+
+
+def dtype_name(code: int) -> str:
+    return DTYPES[code].name if 0 <= code < len(DTYPES) else f"dtype#{code}"
