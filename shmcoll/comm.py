@@ -627,16 +627,16 @@ class Communicator:
         if np.may_share_memory(x, out):
             raise ValueError("x and out overlap: pass out=None (or out=x) to work in place, or disjoint arrays")
 
-    @staticmethod
-    def _is_block_of(part: np.ndarray, whole: np.ndarray, block: int) -> bool:
+    def _is_block_of(self, part: np.ndarray, whole: np.ndarray, block: int) -> bool:
         """Whether ``part`` is exactly block ``block`` of ``whole`` (the in-place form); raises
         if they overlap any other way."""
         if not np.may_share_memory(part, whole):
             return False
-        start = whole.__array_interface__["data"][0] + block * (whole.nbytes // max(whole.shape[0], 1))
-        if part.__array_interface__["data"][0] == start and part.nbytes * whole.shape[0] == whole.nbytes:
+        block_bytes = whole.nbytes // self._world_size
+        start = whole.__array_interface__["data"][0] + block * block_bytes
+        if part.__array_interface__["data"][0] == start and part.nbytes == block_bytes:
             return True
-        raise ValueError(f"the input and output overlap, but the input is not exactly block {block} of the output")
+        raise ValueError(f"input and output overlap, but not as block {block} (this rank's block) of the larger one")
 
     def _check_root(self, root: int) -> None:
         if not isinstance(root, (int, np.integer)) or not 0 <= root < self._world_size:

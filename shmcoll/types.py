@@ -3,7 +3,9 @@
 Reductions follow numpy's element-wise ufuncs: SUM is ``np.add``, PROD ``np.multiply``, MIN
 ``np.minimum`` and MAX ``np.maximum`` (NaN propagates), BAND/BOR/BXOR the bitwise ufuncs. AVG is
 SUM divided by the world size once, by whichever rank finishes each element: true division for
-floating and complex dtypes, numpy's floor division (``//``) of the wrapped sum for integers.
+floating dtypes, each component divided for complex ones (correctly rounded; numpy's division by
+a complex ``n + 0j`` can be 1 ulp off), numpy's floor division (``//``) of the wrapped sum for
+integers.
 Integers wrap around as numpy's do. float16 is reduced in float32 and rounded once at the end.
 """
 

@@ -5,8 +5,8 @@ Each combiner matches the numpy ufunc element-wise, for every dtype the op is va
 left operand on ties, as numpy does) and the bitwise ufuncs. Integer results are stored back
 into the buffer's dtype, which wraps around exactly as numpy's arithmetic does.
 
-``divide_count`` is AVG's final step: true division for floating and complex values, numpy's
-floor division for integers.
+``divide_count`` is AVG's final step: true division for floating values, each component divided
+for complex values, numpy's floor division for integers.
 
 The engine is compiled once per dtype with every op in it, so each combiner must *type* for
 every dtype; where the op is not defined for a dtype (bitwise ops on floats, order on complex)
@@ -90,4 +90,8 @@ def _bit_xor(a, b):  # type: ignore[no-untyped-def]
 def _divide_count(value, count):  # type: ignore[no-untyped-def]
     if isinstance(value, types.Integer):
         return lambda value, count: value // count
+    if isinstance(value, types.Complex):
+        # Each component divided by the real count: correctly rounded, unlike dividing by the
+        # complex number (count + 0j), which numpy does and which can be 1 ulp off.
+        return lambda value, count: complex(value.real / count, value.imag / count)
     return lambda value, count: value / count
