@@ -261,8 +261,9 @@ def matrix(world_size: int, slot_bytes: int, algorithms: dict[str, list[str]] | 
                                     add(kind=kind, algorithm=alg, dtype=dtype.name, op=int(op), root=0,
                                         count=counts[-1], inplace=False, data="nan")
                         if dtype.kind in "iu":
-                            add(kind=kind, algorithm=alg, dtype=dtype.name, op=int(ReduceOp.SUM), root=0,
-                                count=counts[-1], inplace=True, data="wrap")
+                            for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PROD):
+                                add(kind=kind, algorithm=alg, dtype=dtype.name, op=int(op), root=0,
+                                    count=counts[-1], inplace=True, data="wrap")
                 if kind not in REDUCING and root == 0:
                     add(kind=kind, algorithm=alg, dtype="float64", op=int(ReduceOp.SUM), root=0,
                         count=counts_for(world_size, max(slot_bytes // 8, 1))[-1], inplace=False, data="float")

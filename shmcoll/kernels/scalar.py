@@ -46,13 +46,21 @@ def _placeholder(a, b):  # type: ignore[no-untyped-def]
     return a
 
 
+# For integers the result is cast back to the operands' type at once: numba widens
+# ``uint8 + uint8`` to int64, and AVG must divide the *wrapped* sum, as numpy does.
 @overload(add)
 def _add(a, b):  # type: ignore[no-untyped-def]
+    if isinstance(a, types.Integer):
+        ty = a
+        return lambda a, b: ty(a + b)
     return lambda a, b: a + b
 
 
 @overload(multiply)
 def _multiply(a, b):  # type: ignore[no-untyped-def]
+    if isinstance(a, types.Integer):
+        ty = a
+        return lambda a, b: ty(a * b)
     return lambda a, b: a * b
 
 
@@ -89,7 +97,9 @@ def _bit_xor(a, b):  # type: ignore[no-untyped-def]
 @overload(divide_count)
 def _divide_count(value, count):  # type: ignore[no-untyped-def]
     if isinstance(value, types.Integer):
-        return lambda value, count: value // count
+        # count in the value's own type: uint64 // int64 would go through float64 in numba.
+        ty = value
+        return lambda value, count: value // ty(count)
     if isinstance(value, types.Complex):
         # Each component divided by the real count: correctly rounded, unlike dividing by the
         # complex number (count + 0j), which numpy does and which can be 1 ulp off.

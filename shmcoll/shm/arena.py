@@ -5,7 +5,8 @@ geometry: another job's or another version's segment is refused), claims its ran
 compare-and-swap on the pid word, and counts itself in ATTACHED. The rank that brings ATTACHED to
 ``world_size`` unlinks the name: from then on nothing can leak, whatever happens to the processes.
 
-Liveness: a rank's record holds its pid and its process start time. A peer is alive while a
+Liveness: a rank's record holds its pid and its process start time (clock ticks since boot, field
+22 of ``/proc/<pid>/stat``: exact, and immune to wall-clock changes). A peer is alive while a
 process with that pid *and that start time* exists and is not a zombie, so a recycled pid is
 never mistaken for the peer.
 """
@@ -16,7 +17,6 @@ import dataclasses
 import os
 
 import numpy as np
-import psutil
 
 from shmcoll.errors import ShmcollError
 from shmcoll.shm import layout as L
@@ -56,8 +56,15 @@ def _token_word(token: str) -> int:
     return value - (1 << 64) if value >= (1 << 63) else value
 
 
-def _process_start_us(pid: int) -> int:
-    return int(psutil.Process(pid).create_time() * 1e6)
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks) of a live process, or None if there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    fields = text[text.rindex(b")") + 2 :].split()  # after "pid (comm) "; comm may hold spaces
+    return fields[0].decode(), int(fields[19])
 
 
 class Arena:
@@ -69,7 +76,6 @@ class Arena:
         self.layout = handle.layout
         self.ctrl = segment.array(np.int64)
         self._views: dict[np.dtype, np.ndarray] = {np.dtype(np.int64): self.ctrl}
-        self._procs: dict[int, psutil.Process] = {}
 
     # --- lifetime -----------------------------------------------------------------------------
     @classmethod
@@ -125,8 +131,10 @@ class Arena:
         taken = int(atomic_cas(self.ctrl, pid_word, 0, pid))
         if taken != 0 and taken != pid:
             raise ShmcollError(f"rank {rank} is already connected (by pid {taken})")
-        write_word(self.ctrl, self.layout.rank_word(rank, L.R_START_US), _process_start_us(pid))
+        # STATE before START: a reader takes the record as filled in once START is set.
         write_word(self.ctrl, self.layout.rank_word(rank, L.R_STATE), L.STATE_IDLE)
+        stat = proc_stat(pid)
+        write_word(self.ctrl, self.layout.rank_word(rank, L.R_START), stat[1] + 1 if stat else 1)
         attached = int(atomic_add(self.ctrl, L.A_ATTACHED, 1)) + 1
         if attached >= self.layout.world_size:
             self.segment.unlink()
@@ -162,26 +170,17 @@ class Arena:
     def peer_status(self, rank: int) -> str:
         """``"absent"`` (not attached yet), ``"alive"``, ``"exited"``, ``"failed"`` or ``"dead"``."""
         pid = self.rank_field(rank, L.R_PID)
-        if pid == 0:
-            return "absent"
+        start = self.rank_field(rank, L.R_START)
+        if pid == 0 or start == 0:
+            return "absent"  # not attached yet, or between claiming the record and filling it
         state = self.rank_field(rank, L.R_STATE)
         if state == L.STATE_EXITED:
             return "exited"
         if state == L.STATE_FAILED:
             return "failed"
-        start_us = self.rank_field(rank, L.R_START_US)
-        proc = self._procs.get(rank)
-        try:
-            if proc is None or proc.pid != pid:
-                proc = self._procs[rank] = psutil.Process(pid)
-            if abs(int(proc.create_time() * 1e6) - start_us) > 10_000:
-                return "dead"  # the pid now belongs to another process
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                return "dead"
-        except (psutil.NoSuchProcess, ProcessLookupError):
-            return "dead"
-        except psutil.AccessDenied:
-            return "alive"
+        stat = proc_stat(pid)
+        if stat is None or stat[0] in ("Z", "X") or stat[1] + 1 != start:
+            return "dead"  # gone, a zombie, or the pid now belongs to another process
         return "alive"
 
     def abort_info(self) -> dict[str, int]:

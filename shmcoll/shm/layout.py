@@ -9,7 +9,7 @@ so a rank polling its own word never steals a line another rank is writing::
               | attach     ATTACHED (fetch_add at connect)  DETACHED                |  line 1
               | abort      CODE ORIGIN PEER SEQ SIG STEP DETAIL                     |  line 2
     192       +--------------------------------------------------------------------+
-              | rank r     PID START_US STATE CUR_SEQ CUR_SIG CUR_STEP DONE_SEQ     |  1 line
+              | rank r     PID START STATE CUR_SEQ CUR_SIG CUR_STEP DONE_SEQ DONE_SIG|  1 line
               |            (written only by rank r; read by the others on errors)   |  per rank
               +--------------------------------------------------------------------+
               | channel c  producer line: HEAD          TAIL_WAITERS                |  2 lines
@@ -59,7 +59,7 @@ AB_STEP = 21
 AB_DETAIL = 22
 RANKS_BASE_WORD = 24
 # Rank record fields (offsets within the rank's line).
-R_PID, R_START_US, R_STATE, R_CUR_SEQ, R_CUR_SIG, R_CUR_STEP, R_DONE_SEQ, R_DONE_SIG = range(8)
+R_PID, R_START, R_STATE, R_CUR_SEQ, R_CUR_SIG, R_CUR_STEP, R_DONE_SEQ, R_DONE_SIG = range(8)
 # Rank states.
 STATE_IDLE, STATE_IN_CALL, STATE_FAILED, STATE_EXITED = range(4)
 # Abort codes: why a communicator is broken.

@@ -1,0 +1,1 @@
+"""The ``shmcoll`` command line (installed as ``shmcoll.cli``)."""

@@ -1,0 +1,3 @@
+from shmcoll.cli.main import main
+
+main()

@@ -1,0 +1,419 @@
+"""The sweep engine behind ``shmcoll bench``: timing, checking and the nccl-tests table.
+
+Timing rule: each timed iteration runs ``reps`` back-to-back calls after a barrier (``reps`` is
+chosen so an iteration lasts at least ~20 us, so tiny messages are not dominated by the barrier's
+exit skew); a rank's time per call is the iteration's time divided by ``reps``; the reported
+time is the **median over iterations of the slowest rank's time** (p10/p90 too, for
+``--stats``). Bandwidths follow nccl-tests: ``algbw = size / time`` and ``busbw = algbw *
+factor`` with factor ``2(n-1)/n`` for allreduce, ``(n-1)/n`` for allgather, reduce_scatter,
+alltoall, gather and scatter, and 1 for broadcast and reduce. ``size`` is the largest per-rank
+buffer of the call (allgather's output, reduce_scatter's input), as in nccl-tests.
+
+Checking: inputs are a pattern whose result every rank can compute exactly by itself, so after
+the timed iterations each rank runs the collective once more on fresh inputs and counts the
+elements that differ (``#wrong``, summed over ranks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from shmcoll.algos import registry
+from shmcoll.algos.registry import Query
+from shmcoll.types import ReduceOp, engine_types, supports
+
+BENCH_COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall", "gather", "scatter")
+REDUCING = ("allreduce", "reduce", "reduce_scatter")
+ROOTED = ("broadcast", "reduce", "gather", "scatter")
+MIN_ITERATION_S = 20e-6
+
+
+def bus_factor(collective: str, world_size: int) -> float:
+    """nccl-tests' bus bandwidth factor."""
+    n = world_size
+    if collective == "allreduce":
+        return 2 * (n - 1) / n
+    if collective in ("broadcast", "reduce"):
+        return 1.0
+    return (n - 1) / n
+
+
+def default_nprocs() -> int:
+    return max(2, min(4, len(os.sched_getaffinity(0))))
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    collectives: tuple[str, ...] = ("allreduce",)
+    algorithms: tuple[str, ...] = ("auto",)
+    nprocs: int = 2
+    min_bytes: int = 8
+    max_bytes: int = 64 << 20
+    step_factor: float = 2.0
+    dtype: str = "float32"
+    op: str = "sum"
+    root: int = 0
+    iters: int = 20
+    warmup: int = 5
+    check: bool = True
+    modes: tuple[str, ...] = ("out-of-place", "in-place")
+    registered: bool = False
+    inject_error: bool = False
+    progress: bool = True
+
+
+@dataclasses.dataclass
+class Row:
+    collective: str
+    algorithm: str
+    world_size: int
+    size: int
+    count: int
+    dtype: str
+    op: str
+    root: int
+    mode: str
+    time_us: float
+    algbw: float
+    busbw: float
+    wrong: int
+    p10_us: float
+    p90_us: float
+
+
+def sizes(cfg: BenchConfig, collective: str, world_size: int) -> list[int]:
+    """The byte sizes of the sweep: min, min*f, ... up to max; rounded so every rank gets whole
+    elements (blocked collectives need a multiple of world_size elements)."""
+    itemsize = np.dtype(cfg.dtype).itemsize
+    unit = itemsize * (world_size if collective in ("allgather", "reduce_scatter", "alltoall", "gather", "scatter") else 1)
+    out: list[int] = []
+    size = float(max(cfg.min_bytes, 1))
+    while size <= cfg.max_bytes * 1.0000001:
+        nbytes = max(unit, int(size) // unit * unit)
+        if not out or nbytes != out[-1]:
+            out.append(nbytes)
+        if cfg.step_factor <= 1:
+            break
+        size *= cfg.step_factor
+    return out
+
+
+def algorithms_for(cfg: BenchConfig, collective: str, world_size: int) -> list[str]:
+    names: list[str] = []
+    for name in cfg.algorithms:
+        if name == "all":
+            for alg in registry.algorithms(collective):
+                q = Query(collective, world_size, 1024, np.dtype(cfg.dtype).itemsize, root=cfg.root)
+                if alg.reason_unsupported(q) is None and alg.name not in names:
+                    names.append(alg.name)
+        elif name == "auto" or any(a.name == name for a in registry.algorithms(collective)):
+            if name not in names:
+                names.append(name)
+    return names
+
+
+# --- inputs and expected results ---------------------------------------------------------------
+def _pattern(tag: int, count: int, dtype: np.dtype, op: ReduceOp) -> np.ndarray:
+    i = np.arange(count, dtype=np.int64)
+    if op == ReduceOp.PROD:
+        v = (tag + i) % 2 + 1
+    elif op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):
+        v = (tag * 37 + i * 11) % 127
+    else:
+        v = (tag * 3 + i) % 7
+    if dtype.kind == "b":
+        return (v % 2).astype(bool)
+    return v.astype(dtype)
+
+
+def _reduced(world_size: int, count: int, dtype: np.dtype, op: ReduceOp, lo: int, hi: int) -> np.ndarray:
+    """Elements [lo, hi) of the reduction over all ranks of the rank patterns."""
+    ufunc = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply, ReduceOp.MIN: np.minimum,
+             ReduceOp.MAX: np.maximum, ReduceOp.BAND: np.bitwise_and, ReduceOp.BOR: np.bitwise_or,
+             ReduceOp.BXOR: np.bitwise_xor}[op]
+    work = np.dtype(np.float32) if dtype == np.float16 else dtype
+    acc = _pattern(0, count, work, op)[lo:hi]
+    for r in range(1, world_size):
+        acc = ufunc(acc, _pattern(r, count, work, op)[lo:hi]).astype(work)
+    if op == ReduceOp.AVG:
+        if work.kind in "iu":
+            acc = acc // work.type(world_size)
+        else:
+            acc = (acc.astype(np.float64) / world_size).astype(work)
+    return acc.astype(dtype)
+
+
+class _Buffers:
+    """One collective's buffers at one size on this rank, and how to call and check it."""
+
+    def __init__(self, comm: Any, collective: str, nbytes: int, dtype: np.dtype, op: ReduceOp, root: int,
+                 inplace: bool, algorithm: str, registered: bool) -> None:
+        n, r = comm.world_size, comm.rank
+        self.comm, self.collective, self.dtype, self.op, self.root = comm, collective, dtype, op, root
+        self.inplace, self.algorithm = inplace, algorithm
+        total = nbytes // dtype.itemsize
+        blocked = collective in ("allgather", "reduce_scatter", "alltoall", "gather", "scatter")
+        self.block = total // n if blocked else total
+        self.count = total
+        alloc = getattr(comm, "alloc", None) if registered else None
+        new = (lambda shape: alloc(shape, dtype)) if alloc is not None else (lambda shape: np.empty(shape, dtype))
+        b = self.block
+        if collective in ("allreduce", "broadcast", "reduce"):
+            self.x = new(total)
+            self.out = self.x if inplace else new(total)
+        elif collective in ("allgather", "gather"):
+            self.out = new((n, b))
+            self.x = self.out[r] if inplace else new(b)
+        elif collective == "reduce_scatter":
+            self.x = new(n * b)
+            self.out = self.x[r * b : (r + 1) * b] if inplace else new(b)
+        elif collective == "alltoall":
+            self.x = new((n, b))
+            self.out = self.x if inplace else new((n, b))
+        elif collective == "scatter":
+            self.x = new((n, b))
+            self.out = self.x[r] if inplace and r == root else new(b)
+        self.fill()
+
+    def fill(self) -> None:
+        n, r, b = self.comm.world_size, self.comm.rank, self.block
+        c = self.collective
+        if c in ("allreduce", "reduce"):
+            self.x[...] = _pattern(r, self.count, self.dtype, self.op)
+        elif c == "broadcast":
+            self.x[...] = _pattern(self.root, self.count, self.dtype, self.op) if r == self.root else 0
+        elif c in ("allgather", "gather"):
+            self.x[...] = _pattern(r, b, self.dtype, self.op)
+        elif c == "reduce_scatter":
+            self.x[...] = _pattern(r, n * b, self.dtype, self.op)
+        elif c == "alltoall":
+            for j in range(n):
+                self.x[j] = _pattern(r * n + j, b, self.dtype, self.op)
+        elif c == "scatter":
+            for j in range(n):
+                self.x[j] = _pattern(j, b, self.dtype, self.op)
+
+    def run(self) -> None:
+        comm, c, kw = self.comm, self.collective, {"algorithm": self.algorithm}
+        if c == "allreduce":
+            comm.allreduce(self.x, self.op, out=None if self.inplace else self.out, **kw)
+        elif c == "broadcast":
+            comm.broadcast(self.x, root=self.root, out=None if self.inplace else self.out, **kw)
+        elif c == "reduce":
+            comm.reduce(self.x, root=self.root, op=self.op, out=self.out if comm.rank == self.root else None, **kw)
+        elif c == "allgather":
+            comm.allgather(self.x, out=self.out, **kw)
+        elif c == "gather":
+            comm.gather(self.x, root=self.root, out=self.out if comm.rank == self.root else None, **kw)
+        elif c == "reduce_scatter":
+            comm.reduce_scatter(self.x, self.op, out=self.out, **kw)
+        elif c == "alltoall":
+            comm.alltoall(self.x, out=self.out, **kw)
+        elif c == "scatter":
+            comm.scatter(self.x if comm.rank == self.root else None, root=self.root, out=self.out, **kw)
+
+    def wrong(self, corrupt: bool) -> int:
+        """Run once on fresh inputs and count the elements that differ from the exact answer."""
+        self.fill()
+        self.run()
+        n, r, b = self.comm.world_size, self.comm.rank, self.block
+        c = self.collective
+        if c in ("allreduce", "reduce"):
+            if c == "reduce" and r != self.root:
+                return 0
+            want = _reduced(n, self.count, self.dtype, self.op, 0, self.count)
+        elif c == "broadcast":
+            want = _pattern(self.root, self.count, self.dtype, self.op)
+        elif c == "reduce_scatter":
+            want = _reduced(n, n * b, self.dtype, self.op, r * b, (r + 1) * b)
+        elif c in ("allgather", "gather"):
+            if c == "gather" and r != self.root:
+                return 0
+            want = np.stack([_pattern(j, b, self.dtype, self.op) for j in range(n)])
+        elif c == "alltoall":
+            want = np.stack([_pattern(j * n + r, b, self.dtype, self.op) for j in range(n)])
+        else:  # scatter
+            want = _pattern(r, b, self.dtype, self.op)
+        got = self.out.reshape(-1)
+        if corrupt and got.size:
+            got[got.size // 2] = got[got.size // 2] + 1 if self.dtype.kind != "b" else not got[got.size // 2]
+        return int(np.count_nonzero(got != want.reshape(-1)))
+
+
+# --- the sweep, run on every rank ----------------------------------------------------------------
+def _time_size(comm: Any, bufs: _Buffers, cfg: BenchConfig) -> tuple[float, float, float]:
+    for _ in range(cfg.warmup):
+        bufs.run()
+    comm.barrier()
+    t0 = time.perf_counter()
+    bufs.run()
+    estimate = np.array([time.perf_counter() - t0])
+    comm.allreduce(estimate, "max")
+    reps = int(min(max(math.ceil(MIN_ITERATION_S / max(estimate[0], 1e-9)), 1), 1000))
+    times = np.empty(cfg.iters, np.float64)
+    for it in range(cfg.iters):
+        comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            bufs.run()
+        times[it] = (time.perf_counter() - t0) / reps
+    comm.allreduce(times, "max")  # slowest rank, per iteration
+    return float(np.median(times)), float(np.percentile(times, 10)), float(np.percentile(times, 90))
+
+
+def bench_rank(comm: Any, cfg: BenchConfig) -> list[Row]:
+    """The whole sweep on this rank; rank 0 returns the rows (others an empty list)."""
+    dtype = np.dtype(cfg.dtype)
+    op = ReduceOp[cfg.op.upper()]
+    n = comm.world_size
+    rows: list[Row] = []
+    jobs = [(c, a) for c in cfg.collectives for a in algorithms_for(cfg, c, n)]
+    total = sum(len(sizes(cfg, c, n)) for c, _ in jobs) * len(cfg.modes)
+    done = 0
+    for collective, algorithm in jobs:
+        root = cfg.root if collective in ROOTED else -1
+        for nbytes in sizes(cfg, collective, n):
+            for mode in cfg.modes:
+                done += 1
+                if cfg.progress and comm.rank == 0:
+                    sys.stderr.write(f"\r\033[K[{done}/{total}] {collective} {algorithm} {nbytes} B {mode}")
+                    sys.stderr.flush()
+                bufs = _Buffers(comm, collective, nbytes, dtype, op, max(root, 0), mode == "in-place", algorithm,
+                                cfg.registered)
+                med, p10, p90 = _time_size(comm, bufs, cfg)
+                wrong = np.array([bufs.wrong(cfg.inject_error and comm.rank == 0) if cfg.check else 0], np.int64)
+                comm.allreduce(wrong)
+                algbw = nbytes / med / 1e9 if med > 0 else 0.0
+                rows.append(Row(collective, algorithm, n, nbytes, bufs.count, dtype.name,
+                                cfg.op.lower() if collective in REDUCING else "none", root, mode, med * 1e6,
+                                algbw, algbw * bus_factor(collective, n), int(wrong[0]) if cfg.check else -1,
+                                p10 * 1e6, p90 * 1e6))
+                del bufs
+    if cfg.progress and comm.rank == 0:
+        sys.stderr.write("\r\033[K")
+        sys.stderr.flush()
+    return rows if comm.rank == 0 else []
+
+
+def run(cfg: BenchConfig, *, timeout: float | None = None) -> list[Row]:
+    """Start ``cfg.nprocs`` ranks and run the sweep; the rows, from rank 0."""
+    from shmcoll.launch import spawn
+
+    validate(cfg)
+    return spawn(bench_rank, nprocs=cfg.nprocs, args=(cfg,), timeout=timeout)[0]  # type: ignore[no-any-return]
+
+
+def validate(cfg: BenchConfig) -> None:
+    """Reject a configuration before starting any process."""
+    dtype = np.dtype(cfg.dtype)
+    try:
+        op = ReduceOp[cfg.op.upper()]
+    except KeyError:
+        raise ValueError(f"unknown op {cfg.op!r}; one of {', '.join(o.name.lower() for o in ReduceOp)}") from None
+    for c in cfg.collectives:
+        if c not in BENCH_COLLECTIVES:
+            raise ValueError(f"unknown collective {c!r}; one of {', '.join(BENCH_COLLECTIVES)}")
+        if c in REDUCING and not supports(op, dtype):
+            raise ValueError(f"op {op.name} is not defined for {dtype}")
+        if not algorithms_for(cfg, c, cfg.nprocs):
+            raise ValueError(f"none of the algorithms {list(cfg.algorithms)} serves {c}")
+    if not 0 <= cfg.root < cfg.nprocs:
+        raise ValueError(f"root {cfg.root} out of range for {cfg.nprocs} ranks")
+    if cfg.min_bytes > cfg.max_bytes:
+        raise ValueError("min bytes is larger than max bytes")
+    if cfg.iters < 1:
+        raise ValueError("iters must be >= 1")
+    engine_types(dtype, op)
+
+
+# --- output --------------------------------------------------------------------------------------
+def format_table(rows: Sequence[Row], stats: bool = False) -> str:
+    """nccl-tests' table: one section per (collective, algorithm), out-of-place then in-place."""
+    lines: list[str] = []
+    sections: dict[tuple[str, str], list[Row]] = {}
+    for row in rows:
+        sections.setdefault((row.collective, row.algorithm), []).append(row)
+    total_wrong = 0
+    busbws: list[float] = []
+    for (collective, algorithm), sec in sections.items():
+        modes = [m for m in ("out-of-place", "in-place") if any(r.mode == m for r in sec)]
+        n = sec[0].world_size
+        lines.append(f"# {collective}, algorithm {algorithm}, {n} ranks")
+        cols = "     time   algbw   busbw #wrong" + ("      p10      p90" if stats else "")
+        head1 = "#" + " " * 47 + "".join(f"{m:>{len(cols)}}" for m in modes)
+        lines.append(head1)
+        lines.append(f"# {'size':>10} {'count':>12} {'type':>8} {'redop':>6} {'root':>6}" + cols * len(modes))
+        units = "     (us)  (GB/s)  (GB/s)       " + ("     (us)     (us)" if stats else "")
+        lines.append(f"# {'(B)':>10} {'(elements)':>12} {'':>8} {'':>6} {'':>6}" + units * len(modes))
+        by_size: dict[int, dict[str, Row]] = {}
+        for r in sec:
+            by_size.setdefault(r.size, {})[r.mode] = r
+        for size, per_mode in by_size.items():
+            first = next(iter(per_mode.values()))
+            text = f"  {size:>10} {first.count:>12} {first.dtype:>8} {first.op:>6} {first.root:>6}"
+            for m in modes:
+                r = per_mode.get(m)
+                if r is None:
+                    text += " " * len(cols)
+                    continue
+                wrong = "N/A" if r.wrong < 0 else str(r.wrong)
+                text += f" {r.time_us:>8.2f} {r.algbw:>7.2f} {r.busbw:>7.2f} {wrong:>6}"
+                if stats:
+                    text += f" {r.p10_us:>8.2f} {r.p90_us:>8.2f}"
+                total_wrong += max(r.wrong, 0)
+                busbws.append(r.busbw)
+            lines.append(text)
+    avg = sum(busbws) / len(busbws) if busbws else 0.0
+    lines.append(f"# Out of bounds values : {total_wrong} {'OK' if total_wrong == 0 else 'FAILED'}")
+    lines.append(f"# Avg bus bandwidth    : {avg:.3f} GB/s")
+    return "\n".join(lines)
+
+
+def write_json(rows: Sequence[Row], path: str, meta: dict[str, Any] | None = None) -> None:
+    with open(path, "w") as f:
+        json.dump({"meta": meta or {}, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+
+
+def write_csv(rows: Sequence[Row], path: str) -> None:
+    import csv
+
+    with open(path, "w", newline="") as f:
+        fields = [fl.name for fl in dataclasses.fields(Row)]
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in rows:
+            w.writerow(dataclasses.asdict(r))
+
+
+def plot(series: dict[str, Sequence[Row]], path: str, title: str = "") -> None:
+    """busbw vs size, one line per series (needs matplotlib: ``pip install shmcoll[plot]``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("plotting needs matplotlib: pip install 'shmcoll[plot]'") from None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, rows in series.items():
+        pts = sorted((r.size, r.busbw) for r in rows if r.mode == "out-of-place") or sorted((r.size, r.busbw) for r in rows)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("size (bytes)")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,265 @@
+"""The API beyond the matrix: launch modes, point to point, objects, split, argument errors."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import shmcoll
+from shmcoll import ReduceOp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# --- the three ways to start ranks -----------------------------------------------------------
+def _quick(comm):  # type: ignore[no-untyped-def]
+    x = np.arange(6, dtype=np.float64) + comm.rank
+    comm.allreduce(x)
+    return comm.rank, comm.world_size, x.tolist()
+
+
+def test_spawn_returns_results_by_rank() -> None:
+    results = shmcoll.spawn(_quick, nprocs=3, timeout=120)
+    want = (np.arange(6) * 3 + 3).tolist()
+    assert results == [(r, 3, want) for r in range(3)]
+
+
+def _boom(comm, bad_rank):  # type: ignore[no-untyped-def]
+    if comm.rank == bad_rank:
+        raise KeyError("deliberate failure")
+    comm.barrier()
+    return comm.rank
+
+
+def test_spawn_reraises_the_failing_rank() -> None:
+    with pytest.raises(shmcoll.SpawnError) as info:
+        shmcoll.spawn(_boom, nprocs=3, args=(1,), timeout=120)
+    err = info.value
+    assert err.rank == 1
+    assert "deliberate failure" in str(err) and "KeyError" in str(err)
+    assert "traceback of rank 1" in str(err)
+    assert isinstance(err.__cause__, KeyError)
+
+
+def _group_child(group, rank, queue):  # type: ignore[no-untyped-def]
+    comm = group.connect(rank)
+    x = np.full(4, rank + 1, dtype=np.int32)
+    comm.allreduce(x, op=ReduceOp.PROD)
+    queue.put((rank, x.tolist()))
+    comm.close()
+
+
+def test_group_with_plain_multiprocessing() -> None:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with shmcoll.Group(world_size=3, timeout=30) as group:
+        procs = [ctx.Process(target=_group_child, args=(group, r, queue)) for r in range(3)]
+        for p in procs:
+            p.start()
+        got = sorted(queue.get(timeout=120) for _ in range(3))
+        for p in procs:
+            p.join(timeout=30)
+            assert p.exitcode == 0
+    assert got == [(r, [6, 6, 6, 6]) for r in range(3)]
+
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import shmcoll
+    comm = shmcoll.init()
+    x = np.full(5, comm.rank, dtype=np.int64)
+    comm.allreduce(x)
+    objs = comm.allgather_object(sys.argv[1:])
+    if comm.rank == 0:
+        print("RESULT", x.tolist(), objs[-1])
+    if "--fail" in sys.argv and comm.rank == comm.world_size - 1:
+        raise SystemExit(7)
+    comm.barrier()
+""")
+
+
+def _run_cli(tmp_path, *args, timeout=120):  # type: ignore[no-untyped-def]
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    cmd = [sys.executable, "-m", "shmcoll.cli", "run", *args[:2], str(script), *args[2:]]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_shmcoll_run_and_init(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    proc = _run_cli(tmp_path, "-n", "3", "hello")
+    assert proc.returncode == 0, proc.stderr
+    assert "RESULT [3, 3, 3, 3, 3] ['hello']" in proc.stdout
+
+
+def test_shmcoll_run_reports_failing_rank(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    proc = _run_cli(tmp_path, "-n", "3", "--fail")
+    assert proc.returncode == 7, proc.stderr
+    assert "rank 2 exited with code 7" in proc.stderr
+
+
+def test_init_without_launcher_is_a_clear_error() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHMCOLL_")}
+    proc = subprocess.run([sys.executable, "-c", "import shmcoll; shmcoll.init()"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "shmcoll run" in proc.stderr
+
+
+# --- point to point, barrier, objects, split --------------------------------------------------
+def _p2p(comm, count):  # type: ignore[no-untyped-def]
+    n, r = comm.world_size, comm.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    x = np.arange(count, dtype=np.float32) + 1000 * r
+    buf = np.empty(count, np.float32)
+    if r % 2 == 0:
+        comm.send(x, dst=right)
+        comm.recv(buf, src=left)
+    else:
+        comm.recv(buf, src=left)
+        comm.send(x, dst=right)
+    np.testing.assert_array_equal(buf, np.arange(count, dtype=np.float32) + 1000 * left)
+    comm.barrier()
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 5])
+def test_send_recv_ring(pools, world_size: int) -> None:  # type: ignore[no-untyped-def]
+    pool = pools.get(world_size, slot_bytes=64, nslots=2)
+    for count in (0, 1, 7, 100):
+        assert pool.run(_p2p, count) == [True] * world_size
+
+
+def _objects_others(comm):  # type: ignore[no-untyped-def]
+    """What the other ranks see when rank 1 passes an unpicklable object."""
+    if comm.rank == 1:
+        with pytest.raises(TypeError, match="pickle"):
+            comm.allgather_object(lambda: 1)
+    else:
+        with pytest.raises(ValueError, match=r"rank\(s\) \[1\] could not pickle"):
+            comm.allgather_object(comm.rank)
+    # The communicator is still healthy afterwards.
+    assert comm.allgather_object(comm.rank) == list(range(comm.world_size))
+    return True
+
+
+def test_unpicklable_object_fails_every_rank_cleanly(pools) -> None:  # type: ignore[no-untyped-def]
+    pool = pools.get(3, slot_bytes=64, nslots=2)
+    assert pool.run(_objects_others) == [True] * 3
+
+
+def test_object_collectives_values(pools) -> None:  # type: ignore[no-untyped-def]
+    pool = pools.get(3, slot_bytes=64, nslots=2)
+    assert pool.run(_objects_no_errors) == [True] * 3
+
+
+def _objects_no_errors(comm):  # type: ignore[no-untyped-def]
+    r, n = comm.rank, comm.world_size
+    assert comm.broadcast_object({"lr": 0.1} if r == 0 else None, root=0) == {"lr": 0.1}
+    assert comm.allgather_object(("rank", r, "x" * r)) == [("rank", i, "x" * i) for i in range(n)]
+    assert comm.gather_object({r}, root=n - 1) == ([{i} for i in range(n)] if r == n - 1 else None)
+    assert comm.scatter_object([f"to {i}" for i in range(n)] if r == 0 else None, root=0) == f"to {r}"
+    big = comm.broadcast_object(np.arange(10_000) if r == 1 else None, root=1)
+    np.testing.assert_array_equal(big, np.arange(10_000))
+    return True
+
+
+def _split(comm):  # type: ignore[no-untyped-def]
+    r = comm.rank
+    sub = comm.split(color=r % 2, key=-r)  # reversed order inside each color
+    members = [i for i in range(comm.world_size) if i % 2 == r % 2][::-1]
+    assert sub.world_size == len(members) and sub.rank == members.index(r)
+    x = np.array([r], np.int64)
+    sub.allreduce(x)
+    assert x[0] == sum(members)
+    nobody = comm.split(color=None if r == 0 else 1)
+    assert (nobody is None) == (r == 0)
+    if nobody is not None:
+        assert nobody.world_size == comm.world_size - 1
+        assert nobody.allgather_object(r) == list(range(1, comm.world_size))
+        nobody.close()
+    sub.close()
+    comm.barrier()
+    return True
+
+
+@pytest.mark.parametrize("world_size", [1, 4, 5])
+def test_split(pools, world_size: int) -> None:  # type: ignore[no-untyped-def]
+    pool = pools.get(world_size, slot_bytes=64, nslots=2)
+    assert pool.run(_split) == [True] * world_size
+
+
+# --- wrong use fails at the call, on the rank that made it, before any communication -------------
+def _bad_inputs(comm):  # type: ignore[no-untyped-def]
+    n = comm.world_size
+    x = np.arange(12, dtype=np.float32)
+    ro = x.copy()
+    ro.flags.writeable = False
+    checks = [
+        (lambda: comm.allreduce([1, 2, 3]), TypeError, "numpy.ndarray"),
+        (lambda: comm.allreduce(x[::2]), ValueError, "C-contiguous"),
+        (lambda: comm.allreduce(ro), ValueError, "read-only"),
+        (lambda: comm.allreduce(x, out=np.empty(5, np.float32)), ValueError, "shape"),
+        (lambda: comm.allreduce(x, out=np.empty(12, np.float64)), TypeError, "dtype"),
+        (lambda: comm.allreduce(x, out=x.reshape(3, 4)), ValueError, "shape"),
+        (lambda: comm.allreduce(x[:8], out=x[4:]), ValueError, "overlap"),
+        (lambda: comm.allreduce(x, op=ReduceOp.BAND), ValueError, "not defined for dtype float32"),
+        (lambda: comm.allreduce(np.zeros(3, np.complex64), op="min"), ValueError, "not defined"),
+        (lambda: comm.allreduce(np.zeros(3, np.bool_), op=ReduceOp.AVG), ValueError, "not defined"),
+        (lambda: comm.allreduce(x, op="median"), ValueError, "unknown reduction op"),
+        (lambda: comm.allreduce(np.zeros(3, "U3")), TypeError, "unsupported dtype"),
+        (lambda: comm.allreduce(np.zeros(3, ">f4")), TypeError, "unsupported dtype"),
+        (lambda: comm.allreduce(x, algorithm="telepathy"), ValueError, "no algorithm 'telepathy'"),
+        (lambda: comm.broadcast(x, root=n), ValueError, "root"),
+        (lambda: comm.broadcast(x, root=-1), ValueError, "root"),
+        (lambda: comm.reduce(x, root=n + 5), ValueError, "root"),
+        (lambda: comm.reduce_scatter(np.zeros(n * 3 + 1, np.float32)), ValueError, "divisible"),
+        (lambda: comm.alltoall(np.zeros((n + 1, 2), np.float32)), ValueError, "world_size"),
+        (lambda: comm.scatter(None, root=0, out=None) if comm.rank != 0 else comm.scatter(np.zeros((n + 1, 2)), 0),
+         ValueError, "out=|world_size"),
+        (lambda: comm.allgather(x, out=np.empty((n, 11), np.float32)), ValueError, "shape"),
+        (lambda: comm.send(x, dst=comm.rank), ValueError, "this rank itself"),
+        (lambda: comm.send(x, dst=n), ValueError, "out of range"),
+        (lambda: comm.recv(ro, src=0), ValueError, "read-only"),
+        (lambda: comm.split(color=-2), ValueError, "color"),
+    ]
+    for fn, exc, pattern in checks:
+        with pytest.raises(exc, match=pattern):
+            fn()
+    # None of that communicated: the communicator still works, and reading a read-only input
+    # where the call only reads it is fine.
+    out = comm.allreduce(ro, out=np.empty_like(ro))
+    np.testing.assert_array_equal(out, ro * n)
+    return True
+
+
+def test_bad_inputs_fail_before_communicating(pools) -> None:  # type: ignore[no-untyped-def]
+    pool = pools.get(2, slot_bytes=64, nslots=2)
+    assert pool.run(_bad_inputs) == [True, True]
+
+
+def _large(comm):  # type: ignore[no-untyped-def]
+    """Sizes far beyond the rings with the default slots, several dtypes."""
+    out = []
+    n = comm.world_size
+    for dt in (np.float32, np.float64, np.int16, np.complex64, np.float16, np.bool_):
+        op = ReduceOp.SUM if np.dtype(dt).kind == "c" else ReduceOp.MAX
+        base = np.arange(300_001) % 7
+        x = (base + comm.rank).astype(dt)
+        y = comm.allreduce(x.copy(), op=op)
+        want = (base * n + n * (n - 1) // 2) if op == ReduceOp.SUM else base + n - 1
+        np.testing.assert_array_equal(y, want.astype(dt))
+        g = comm.allgather(x[:1001])
+        np.testing.assert_array_equal(g, np.stack([(base[:1001] + r).astype(dt) for r in range(n)]))
+        out.append(g.shape)
+    return out
+
+
+def test_large_messages_default_slots(pools) -> None:  # type: ignore[no-untyped-def]
+    pool = pools.get(3)
+    assert pool.run(_large) == [[(3, 1001)] * 6] * 3

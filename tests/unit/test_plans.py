@@ -1,0 +1,168 @@
+"""Every registered plan verified symbolically at world sizes 1..16 and every root, no processes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from shmcoll.algos import registry
+from shmcoll.plan import ir
+from shmcoll.plan.ir import Buf, Region, Step
+from shmcoll.plan.passes import channel_skeleton, fuse, segment
+from shmcoll.plan.verify import PlanError, verify
+
+ROOTED = {"broadcast", "scatter", "gather", "reduce", "p2p"}
+ALL = [(a.collective, a.name) for a in registry.algorithms()]
+
+
+def _cases(collective: str, world_size: int):  # type: ignore[no-untyped-def]
+    roots = range(world_size) if collective in ROOTED else [0]
+    for root in roots:
+        if collective == "p2p" and world_size == 1:
+            continue
+        yield root, (root + 1 + root % max(world_size - 1, 1)) % world_size if collective == "p2p" else 0
+
+
+@pytest.mark.parametrize(("collective", "name"), ALL)
+def test_verifier_accepts_every_plan(collective: str, name: str) -> None:
+    alg = registry.get(collective, name)
+    for n in range(1, 17):
+        for root, peer in _cases(collective, n):
+            if collective == "p2p" and peer == root:
+                continue
+            for count, slot in ((0, 4), (1, 4), (n + 1, 4), (13, 3), (3 * n + 2, 2)):
+                for inplace in (False, True):
+                    plan = segment(alg, n, count, slot, root=root, inplace=inplace, peer=peer)
+                    for nslots in (1, 2):
+                        verify(plan, world_size=n, count=count, root=root, inplace=inplace, nslots=nslots, peer=peer)
+
+
+@pytest.mark.parametrize(("collective", "name"), ALL)
+def test_in_place_never_changes_messages(collective: str, name: str) -> None:
+    """Ranks choose in place independently, so it may change only local steps."""
+    alg = registry.get(collective, name)
+    for n in (1, 2, 3, 5, 8):
+        for root, peer in _cases(collective, n):
+            if collective == "p2p" and peer == root:
+                continue
+            a = segment(alg, n, 11, 4, root=root, inplace=False, peer=peer)
+            b = segment(alg, n, 11, 4, root=root, inplace=True, peer=peer)
+            assert channel_skeleton(a.tail) == channel_skeleton(b.tail)
+            if a.body is not None:
+                assert b.body is not None and channel_skeleton(a.body) == channel_skeleton(b.body)
+
+
+def _direct(collective: str, n: int = 3, count: int = 4, **kw):  # type: ignore[no-untyped-def]
+    return segment(registry.get(collective, "direct"), n, count, 100, **kw)
+
+
+def _mutate(plan, rank: int, index: int, **changes):  # type: ignore[no-untyped-def]
+    programs = [list(p) for p in plan.tail.programs]
+    programs[rank][index] = dataclasses.replace(programs[rank][index], **changes)
+    return dataclasses.replace(plan, tail=dataclasses.replace(plan.tail, programs=programs))
+
+
+def test_verifier_catches_wrong_data() -> None:
+    plan = _direct("broadcast")
+    recv_step = plan.tail.programs[1][0]
+    bad = _mutate(plan, 1, 0, dst=Region(Buf.OUT, 1), count=recv_step.count - 1)
+    with pytest.raises(PlanError):
+        verify(bad, world_size=3, count=4)
+
+
+def test_verifier_catches_size_mismatch() -> None:
+    plan = _direct("allgather")
+    bad = _mutate(plan, 0, 0, count=3)
+    with pytest.raises(PlanError, match="receives|sent"):
+        verify(bad, world_size=3, count=4)
+
+
+def test_verifier_catches_deadlock() -> None:
+    plan = _direct("allreduce", n=2, count=4)
+    # Make both ranks receive before they send: each then waits for the other forever.
+    programs = [list(reversed(p)) for p in plan.tail.programs]
+    bad = dataclasses.replace(plan, tail=dataclasses.replace(plan.tail, programs=programs))
+    with pytest.raises(PlanError, match="deadlock"):
+        verify(bad, world_size=2, count=4, nslots=1)
+
+
+def test_verifier_catches_order_difference_across_ranks() -> None:
+    """Two ranks computing x0 (op) x1 and x1 (op) x0 would not be bitwise identical."""
+    plan = _direct("allreduce", n=2, count=2)
+    step = plan.tail.programs[1][1]
+    assert step.reduce and step.recv_left
+    swapped = dataclasses.replace(step, recv_left=False, a=step.b, b=None)
+    bad = _mutate(plan, 1, 1, **{f.name: getattr(swapped, f.name) for f in dataclasses.fields(Step)})
+    with pytest.raises(PlanError, match="differently"):
+        verify(bad, world_size=2, count=2)
+
+
+def test_verifier_catches_missing_final_division() -> None:
+    plan = _direct("allreduce", n=3, count=2)
+    last = len(plan.tail.programs[2]) - 1
+    bad = _mutate(plan, 2, last, final=False)
+    with pytest.raises(PlanError, match="AVG"):
+        verify(bad, world_size=3, count=2)
+
+
+def test_verifier_catches_leftover_message() -> None:
+    plan = _direct("gather", n=3, count=2)
+    programs = [list(p) for p in plan.tail.programs]
+    programs[1].append(Step(count=0, send=2))
+    bad = dataclasses.replace(plan, tail=dataclasses.replace(plan.tail, programs=programs))
+    with pytest.raises(PlanError, match="never received"):
+        verify(bad, world_size=3, count=2)
+
+
+def test_barrier_must_hear_from_everyone() -> None:
+    plan = segment(registry.get("barrier", "direct"), 5, 0, 1)
+    programs = [list(p) for p in plan.tail.programs]
+    # Drop the last round: ranks then leave having heard from only half the others.
+    for r in range(5):
+        programs[r] = programs[r][:-2]
+    bad = dataclasses.replace(plan, tail=dataclasses.replace(plan.tail, programs=programs))
+    with pytest.raises(PlanError, match="without hearing"):
+        verify(bad, world_size=5, count=0)
+
+
+def test_fuse_merges_recv_then_forward() -> None:
+    steps = [Step(count=4, recv=0, dst=Region(Buf.OUT, 0)), Step(count=4, send=2, a=Region(Buf.OUT, 0))]
+    fused = fuse(ir.Plan("broadcast", "direct", 3, 4, 0, False, [[], steps, []]))
+    assert len(fused.programs[1]) == 1
+    (step,) = fused.programs[1]
+    assert step.recv == 0 and step.send == 2 and step.dst == Region(Buf.OUT, 0)
+
+
+def test_fuse_drops_dead_scratch_store() -> None:
+    steps = [Step(count=4, recv=0, dst=Region(Buf.TMP, 0)), Step(count=4, send=2, a=Region(Buf.TMP, 0))]
+    (step,) = fuse(ir.Plan("broadcast", "direct", 3, 4, 0, False, [[], steps, []])).programs[1]
+    assert step.dst is None and step.send == 2
+
+
+def test_segmenting_keeps_plans_small() -> None:
+    alg = registry.get("allreduce", "direct")
+    small = segment(alg, 4, 10, 16)
+    huge = segment(alg, 4, 10**9, 16)
+    assert small.body is None and small.reps == 0
+    assert huge.body is not None and huge.reps * huge.piece + huge.tail.count == 10**9
+    assert len(huge.body.programs[0]) == len(segment(alg, 4, 16, 16).tail.programs[0])
+
+
+def test_signature_round_trip() -> None:
+    import numpy as np
+
+    sig = ir.pack_sig("allreduce", registry.get("allreduce", "direct").code, np.dtype(np.float32), 4, 0, 1000)
+    text = ir.describe_sig(sig, registry.ALGORITHM_NAMES)
+    assert text == "allreduce(count=1000, float32, AVG, algorithm=direct)"
+    other = ir.pack_sig("allreduce", 0, np.dtype(np.float32), 4, 0, 1001)
+    assert other != sig
+    assert ir.describe_sig(ir.pack_sig("broadcast", 0, np.dtype(np.bool_), 0, 3, 0), registry.ALGORITHM_NAMES) == (
+        "broadcast(count=0, bool, root=3, algorithm=direct)"
+    )
+    assert ir.pack_sig("broadcast", 0, np.dtype(np.bool_), 0, 0, 0) != 0
+
+
+def test_step_text_is_readable() -> None:
+    s = Step(count=8, recv=1, a=Region(Buf.IN, 0), dst=Region(Buf.OUT, 0), reduce=True, final=True)
+    assert str(s) == "OUT[0] <- IN[0] (op) recv(1) /n  [8]"

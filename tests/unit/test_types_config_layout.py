@@ -1,0 +1,89 @@
+"""ReduceOp/dtype table, configuration parsing and the arena layout: pure functions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shmcoll import config
+from shmcoll.shm import layout as L
+from shmcoll.types import DTYPES, ReduceOp, engine_types, supports, valid_ops
+
+
+def test_supports_table() -> None:
+    assert supports(ReduceOp.SUM, np.float32)
+    assert supports(ReduceOp.BXOR, np.uint16)
+    assert supports(ReduceOp.BAND, np.bool_)
+    assert not supports(ReduceOp.AVG, np.bool_)
+    assert not supports(ReduceOp.BAND, np.float64)
+    assert not supports(ReduceOp.MIN, np.complex64)
+    assert supports(ReduceOp.AVG, np.complex128)
+    assert not supports(ReduceOp.SUM, np.dtype("U4"))
+    assert not supports(ReduceOp.SUM, np.dtype(">f4"))
+    for dt in DTYPES:
+        assert valid_ops(dt), dt
+
+
+def test_engine_types() -> None:
+    assert engine_types(np.dtype(np.bool_), ReduceOp.SUM) == (np.dtype(np.uint8), ReduceOp.BOR)
+    assert engine_types(np.dtype(np.bool_), ReduceOp.MIN) == (np.dtype(np.uint8), ReduceOp.BAND)
+    assert engine_types(np.dtype(np.float16), ReduceOp.AVG) == (np.dtype(np.float32), ReduceOp.AVG)
+    assert engine_types(np.dtype(np.int8), ReduceOp.PROD) == (np.dtype(np.int8), ReduceOp.PROD)
+
+
+def test_parse_size() -> None:
+    assert config.parse_size("64K") == 65536
+    assert config.parse_size("1M") == 1 << 20
+    assert config.parse_size("2GiB") == 2 << 30
+    assert config.parse_size("8") == 8
+    assert config.parse_size("8B") == 8
+    assert config.parse_size(12) == 12
+    assert config.format_size(65536) == "64K"
+    assert config.format_size(100) == "100"
+    with pytest.raises(ValueError, match="not a size"):
+        config.parse_size("lots")
+
+
+def test_config_from_environment() -> None:
+    cfg = config.load({"SHMCOLL_TIMEOUT": "2.5", "SHMCOLL_SLOT_BYTES": "4K", "SHMCOLL_NSLOTS": "8",
+                       "SHMCOLL_DEBUG": "info", "SHMCOLL_RANK": "3", "SHMCOLL_SPIN": "auto",
+                       "SHMCOLL_CACHE_DIR": "/tmp/x"})
+    assert cfg.timeout_s == 2.5 and cfg.slot_bytes == 4096 and cfg.nslots == 8
+    assert cfg.debug == "INFO" and cfg.rank == 3 and cfg.spin is None
+    assert cfg.tune_file == "/tmp/x/tune.json"
+    assert config.load({}).timeout_s == 60.0
+    with pytest.raises(ValueError):
+        config.load({"SHMCOLL_TIMEOUT": "0"})
+    with pytest.raises(ValueError, match="SHMCOLL_NSLOTS"):
+        config.load({"SHMCOLL_NSLOTS": "many"})
+
+
+def test_layout_lines_never_shared() -> None:
+    lay = L.Layout(world_size=5, nslots=3, slot_bytes=4096)
+    assert lay.nchannels == 20
+    lines = set()
+    for ch in range(lay.nchannels):
+        for field in (L.C_HEAD, L.C_TAIL):
+            line = lay.channel_word(ch, field) // L.WORDS_PER_LINE
+            assert line not in lines
+            lines.add(line)
+    for r in range(5):
+        assert lay.rank_word(r, 0) % L.WORDS_PER_LINE == 0
+    assert lay.slots_base % L.LINE == 0 and lay.slot_stride % L.LINE == 0
+    # Every payload is aligned for the widest element (complex128).
+    assert (lay.slot_offset(7, 2) + L.SLOT_HEADER_BYTES) % 16 == 0
+
+
+def test_channels_are_a_bijection() -> None:
+    lay = L.Layout(world_size=6, nslots=1, slot_bytes=64)
+    seen = {lay.channel(s, d) for s in range(6) for d in range(6) if s != d}
+    assert seen == set(range(lay.nchannels))
+    with pytest.raises(ValueError):
+        lay.channel(2, 2)
+
+
+def test_footprint_formula() -> None:
+    n, nslots, slot = 8, 4, 64 << 10
+    expected = 192 + 64 * n + 128 * n * (n - 1) + n * (n - 1) * nslots * L.round_up(16 + slot, 64)
+    assert L.footprint_bytes(n, nslots, slot) == expected
+    assert L.footprint_bytes(1, 4, slot) == 192 + 64
