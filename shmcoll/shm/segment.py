@@ -33,9 +33,24 @@ PREFIX = "shmcoll-"
 _NAME_RE = re.compile(r"^shmcoll-(?P<token>[0-9a-f]{16})-(?P<pid>\d+)-(?P<what>[A-Za-z0-9_.]+)$")
 
 
+_ISSUED: set[str] = set()
+
+
 def new_token() -> str:
     """A fresh random job token (16 hex digits)."""
-    return secrets.token_hex(8)
+    token = secrets.token_hex(8)
+    _ISSUED.add(token)
+    return token
+
+
+def issued_tokens() -> frozenset[str]:
+    """The job tokens this process created (tests check that none of their segments remain)."""
+    return frozenset(_ISSUED)
+
+
+def token_of(name: str) -> str | None:
+    m = _NAME_RE.match(name)
+    return m.group("token") if m else None
 
 
 def segment_name(token: str, what: str, pid: int | None = None) -> str:
