@@ -181,7 +181,7 @@ class Communicator:
         In place (the result overwrites ``x``) unless ``out`` is given. Returns the result.
         """
         if type(x) is not np.ndarray:
-            raise _not_array("x", x)
+            return self._foreign("allreduce", x, op=op, out=out, algorithm=algorithm, timeout=timeout)  # type: ignore[no-any-return]
         inplace = out is None or out is x
         key = ("allreduce", x.dtype, x.size, op, algorithm, inplace)
         call = self._calls.get(key)
@@ -206,7 +206,7 @@ class Communicator:
         in place) and ``None`` elsewhere.
         """
         if type(x) is not np.ndarray:
-            raise _not_array("x", x)
+            return self._foreign("reduce", x, root=root, op=op, out=out, algorithm=algorithm, timeout=timeout)  # type: ignore[no-any-return]
         self._check_read(x, "x")
         at_root = self._rank == root
         inplace = at_root and out is x
@@ -231,7 +231,7 @@ class Communicator:
                   algorithm: str = "auto", timeout: float | None = None) -> np.ndarray:
         """Copy root's ``x`` to every rank: in place in ``x`` (or into ``out``). Returns it."""
         if type(x) is not np.ndarray:
-            raise _not_array("x", x)
+            return self._foreign("broadcast", x, root=root, out=out, algorithm=algorithm, timeout=timeout)  # type: ignore[no-any-return]
         inplace = out is None or out is x
         key = ("broadcast", x.dtype, x.size, None, algorithm, inplace, root)
         call = self._calls.get(key)
@@ -257,7 +257,7 @@ class Communicator:
         ``x`` may be ``out[rank]`` itself (in place).
         """
         if type(x) is not np.ndarray:
-            raise _not_array("x", x)
+            return self._foreign("allgather", x, out=out, algorithm=algorithm, timeout=timeout)  # type: ignore[no-any-return]
         self._check_read(x, "x")
         shape = (self._world_size, *x.shape)
         if out is None:
@@ -278,7 +278,7 @@ class Communicator:
         """Every rank's ``x`` stacked on ``root`` (shape ``(world_size, *x.shape)``); ``None``
         elsewhere."""
         if type(x) is not np.ndarray:
-            raise _not_array("x", x)
+            return self._foreign("gather", x, root=root, out=out, algorithm=algorithm, timeout=timeout)  # type: ignore[no-any-return]
         self._check_read(x, "x")
         at_root = self._rank == root
         inplace = False
@@ -307,7 +307,7 @@ class Communicator:
         inplace = False
         if at_root:
             if type(x) is not np.ndarray:
-                raise _not_array("x (at the root)", x)
+                return self._foreign("scatter", x, root=root, out=out, algorithm=algorithm, timeout=timeout)  # type: ignore[no-any-return]
             self._check_read(x, "x")
             if x.ndim == 0 or x.shape[0] != self._world_size:
                 raise ValueError(f"scatter: root's x must have shape (world_size={self._world_size}, ...), got {x.shape}")
@@ -321,7 +321,7 @@ class Communicator:
             if out is None:
                 raise ValueError("scatter: non-root ranks must pass out= (it gives the shape and dtype)")
             if type(out) is not np.ndarray:
-                raise _not_array("out", out)
+                return self._foreign("scatter", x, root=root, out=out, algorithm=algorithm, timeout=timeout)  # type: ignore[no-any-return]
             self._check_written(out, "out")
             dtype, count = out.dtype, out.size
         key = ("scatter", dtype, count, None, algorithm, inplace, root)
@@ -340,7 +340,7 @@ class Communicator:
         ``(x.shape[0] // world_size, *x.shape[1:])``.
         """
         if type(x) is not np.ndarray:
-            raise _not_array("x", x)
+            return self._foreign("reduce_scatter", x, op=op, out=out, algorithm=algorithm, timeout=timeout)  # type: ignore[no-any-return]
         self._check_read(x, "x")
         n = self._world_size
         if x.ndim == 0 or x.shape[0] % n:
@@ -364,7 +364,7 @@ class Communicator:
         """Block ``j`` of each rank's ``x`` goes to rank ``j``: ``out[i]`` = rank ``i``'s
         ``x[rank]``. ``x.shape[0]`` must be ``world_size``; ``out=x`` works in place."""
         if type(x) is not np.ndarray:
-            raise _not_array("x", x)
+            return self._foreign("alltoall", x, out=out, algorithm=algorithm, timeout=timeout)  # type: ignore[no-any-return]
         n = self._world_size
         if x.ndim == 0 or x.shape[0] != n:
             raise ValueError(f"alltoall: x must have shape (world_size={n}, ...), got {x.shape}")
@@ -402,7 +402,7 @@ class Communicator:
         interleave them in the same order on both ranks.
         """
         if type(x) is not np.ndarray:
-            raise _not_array("x", x)
+            return self._foreign("send", x, dst=dst, timeout=timeout)  # type: ignore[no-any-return]
         self._check_read(x, "x")
         key = ("send", x.dtype, x.size, dst)
         call = self._calls.get(key)
@@ -415,7 +415,7 @@ class Communicator:
     def recv(self, buf: np.ndarray, src: int, *, timeout: float | None = None) -> np.ndarray:
         """Receive into ``buf`` what rank ``src`` sent (same size and dtype); returns ``buf``."""
         if type(buf) is not np.ndarray:
-            raise _not_array("buf", buf)
+            return self._foreign("recv", buf, src=src, timeout=timeout)  # type: ignore[no-any-return]
         self._check_written(buf, "buf")
         key = ("recv", buf.dtype, buf.size, src)
         call = self._calls.get(key)
@@ -593,6 +593,17 @@ class Communicator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # --- arrays that are not numpy arrays ------------------------------------------------------
+    def _foreign(self, name: str, x: Any, **kwargs: Any) -> Any:
+        """A call whose array is not a numpy array: GPU arrays go to :mod:`shmcoll.device`
+        (anything with ``__cuda_array_interface__``); everything else is a TypeError."""
+        probe = kwargs.get("out") if x is None else x
+        if hasattr(probe, "__cuda_array_interface__"):
+            from shmcoll import device
+
+            return device.call(self, name, x, **kwargs)
+        raise _not_array("out" if x is None else ("buf" if name == "recv" else "x"), probe)
 
     # --- argument checks ----------------------------------------------------------------------
     @staticmethod
