@@ -37,15 +37,23 @@ def main() -> None:
 # --- bench --------------------------------------------------------------------------------------
 @main.command()
 @click.option("-n", "--nprocs", type=int, default=None, help="Ranks to start (default: min(4, cores), at least 2).")
-@click.option("-c", "--collective", default="allreduce", show_default=True,
-              help="A collective, a comma-separated list, or 'all'.")
-@click.option("-a", "--algorithm", default="auto", show_default=True,
-              help="'auto', an algorithm name, a comma-separated list, or 'all' (every registered one).")
+@click.option(
+    "-c", "--collective", default="allreduce", show_default=True, help="A collective, a comma-separated list, or 'all'."
+)
+@click.option(
+    "-a",
+    "--algorithm",
+    default="auto",
+    show_default=True,
+    help="'auto', an algorithm name, a comma-separated list, or 'all' (every registered one).",
+)
 @click.option("-b", "--min-bytes", type=SIZE, default="8", show_default=True, help="Smallest size (K/M/G suffixes).")
 @click.option("-e", "--max-bytes", type=SIZE, default="64M", show_default=True, help="Largest size.")
 @click.option("-f", "--step-factor", type=float, default=2.0, show_default=True, help="Multiply the size by this.")
 @click.option("--dtype", default="float32", show_default=True, help="numpy dtype name.")
-@click.option("--op", default="sum", show_default=True, help="Reduction op (sum, prod, min, max, avg, band, bor, bxor).")
+@click.option(
+    "--op", default="sum", show_default=True, help="Reduction op (sum, prod, min, max, avg, band, bor, bxor)."
+)
 @click.option("--root", type=int, default=0, show_default=True, help="Root of rooted collectives.")
 @click.option("--iters", type=int, default=20, show_default=True, help="Timed iterations per size.")
 @click.option("--warmup", type=int, default=5, show_default=True, help="Untimed iterations per size.")
@@ -57,11 +65,33 @@ def main() -> None:
 @click.option("--stats", is_flag=True, help="Also print p10/p90 times.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the rows as JSON.")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="Write the rows as CSV.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Plot busbw vs size to a PNG (needs the plot extra).")
+@click.option(
+    "--plot", "plot_path", type=click.Path(dir_okay=False), help="Plot busbw vs size to a PNG (needs the plot extra)."
+)
 @click.option("--inject-error", is_flag=True, hidden=True, help="Corrupt one result element (tests #wrong).")
 @click.option("--quiet", is_flag=True, help="No progress line on stderr.")
-def bench(nprocs, collective, algorithm, min_bytes, max_bytes, step_factor, dtype, op, root, iters, warmup, check,  # type: ignore[no-untyped-def]
-          mode, registered, stats, json_path, csv_path, plot_path, inject_error, quiet) -> None:
+def bench(
+    nprocs,
+    collective,
+    algorithm,
+    min_bytes,
+    max_bytes,
+    step_factor,
+    dtype,
+    op,
+    root,
+    iters,
+    warmup,
+    check,  # type: ignore[no-untyped-def]
+    mode,
+    registered,
+    stats,
+    json_path,
+    csv_path,
+    plot_path,
+    inject_error,
+    quiet,
+) -> None:
     """Bandwidth and latency sweep, printed as nccl-tests' table.
 
     With no options: allreduce of float32 from 8 B to 64 MiB on min(4, cores) ranks.
@@ -72,10 +102,22 @@ def bench(nprocs, collective, algorithm, min_bytes, max_bytes, step_factor, dtyp
     collectives = B.BENCH_COLLECTIVES if collective == "all" else _csv(collective)
     modes = ("out-of-place", "in-place") if mode in (None, "both") else (mode,)
     cfg = B.BenchConfig(
-        collectives=tuple(collectives), algorithms=_csv(algorithm), nprocs=nprocs or B.default_nprocs(),
-        min_bytes=min_bytes, max_bytes=max_bytes, step_factor=step_factor, dtype=dtype, op=op, root=root,
-        iters=iters, warmup=warmup, check=check, modes=modes, registered=registered,
-        inject_error=inject_error, progress=not quiet,
+        collectives=tuple(collectives),
+        algorithms=_csv(algorithm),
+        nprocs=nprocs or B.default_nprocs(),
+        min_bytes=min_bytes,
+        max_bytes=max_bytes,
+        step_factor=step_factor,
+        dtype=dtype,
+        op=op,
+        root=root,
+        iters=iters,
+        warmup=warmup,
+        check=check,
+        modes=modes,
+        registered=registered,
+        inject_error=inject_error,
+        progress=not quiet,
     )
     try:
         B.validate(cfg)
@@ -124,8 +166,9 @@ def run(nprocs, module, timeout, comm_timeout, slot_bytes, nslots, argv) -> None
         raise click.UsageError("give a script (or -m MODULE) to run")
     if nprocs < 1:
         raise click.UsageError("--nprocs must be >= 1")
-    sys.exit(run_script(nprocs, list(argv), timeout=timeout, comm_timeout=comm_timeout,
-                        slot_bytes=slot_bytes, nslots=nslots))
+    sys.exit(
+        run_script(nprocs, list(argv), timeout=timeout, comm_timeout=comm_timeout, slot_bytes=slot_bytes, nslots=nslots)
+    )
 
 
 # --- info and cleanup -----------------------------------------------------------------------------
@@ -143,13 +186,16 @@ def info() -> None:
 
     cfg = config.get()
     shm = shutil.disk_usage("/dev/shm") if os.path.isdir("/dev/shm") else None
-    click.echo(f"shmcoll {__version__} (numba {numba.__version__}, numpy {numpy.__version__}, "
-               f"Python {sys.version.split()[0]})")
+    click.echo(
+        f"shmcoll {__version__} (numba {numba.__version__}, numpy {numpy.__version__}, Python {sys.version.split()[0]})"
+    )
     click.echo(f"cores usable: {len(os.sched_getaffinity(0))}")
     if shm:
         click.echo(f"/dev/shm: {shm.total / 2**30:.1f} GiB, {shm.free / 2**30:.1f} GiB free")
-    click.echo(f"rings: {cfg.nslots} slots x {format_size(cfg.slot_bytes)}; arena footprint: "
-               + ", ".join(f"{n} ranks {footprint_bytes(n, cfg.nslots, cfg.slot_bytes) / 2**20:.1f} MiB" for n in (2, 4, 8)))
+    click.echo(
+        f"rings: {cfg.nslots} slots x {format_size(cfg.slot_bytes)}; arena footprint: "
+        + ", ".join(f"{n} ranks {footprint_bytes(n, cfg.nslots, cfg.slot_bytes) / 2**20:.1f} MiB" for n in (2, 4, 8))
+    )
     click.echo(f"timeout: {cfg.timeout_s:g}s; kernel cache: {CACHE_DIR}")
     try:
         from shmcoll.engine import cuda as gpu

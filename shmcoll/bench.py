@@ -94,7 +94,9 @@ def sizes(cfg: BenchConfig, collective: str, world_size: int) -> list[int]:
     """The byte sizes of the sweep: min, min*f, ... up to max; rounded so every rank gets whole
     elements (blocked collectives need a multiple of world_size elements)."""
     itemsize = np.dtype(cfg.dtype).itemsize
-    unit = itemsize * (world_size if collective in ("allgather", "reduce_scatter", "alltoall", "gather", "scatter") else 1)
+    unit = itemsize * (
+        world_size if collective in ("allgather", "reduce_scatter", "alltoall", "gather", "scatter") else 1
+    )
     out: list[int] = []
     size = float(max(cfg.min_bytes, 1))
     while size <= cfg.max_bytes * 1.0000001:
@@ -137,9 +139,16 @@ def _pattern(tag: int, count: int, dtype: np.dtype, op: ReduceOp) -> np.ndarray:
 
 def _reduced(world_size: int, count: int, dtype: np.dtype, op: ReduceOp, lo: int, hi: int) -> np.ndarray:
     """Elements [lo, hi) of the reduction over all ranks of the rank patterns."""
-    ufunc = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply, ReduceOp.MIN: np.minimum,
-             ReduceOp.MAX: np.maximum, ReduceOp.BAND: np.bitwise_and, ReduceOp.BOR: np.bitwise_or,
-             ReduceOp.BXOR: np.bitwise_xor}[op]
+    ufunc = {
+        ReduceOp.SUM: np.add,
+        ReduceOp.AVG: np.add,
+        ReduceOp.PROD: np.multiply,
+        ReduceOp.MIN: np.minimum,
+        ReduceOp.MAX: np.maximum,
+        ReduceOp.BAND: np.bitwise_and,
+        ReduceOp.BOR: np.bitwise_or,
+        ReduceOp.BXOR: np.bitwise_xor,
+    }[op]
     work = np.dtype(np.float32) if dtype == np.float16 else dtype
     acc = _pattern(0, count, work, op)[lo:hi]
     for r in range(1, world_size):
@@ -155,8 +164,18 @@ def _reduced(world_size: int, count: int, dtype: np.dtype, op: ReduceOp, lo: int
 class _Buffers:
     """One collective's buffers at one size on this rank, and how to call and check it."""
 
-    def __init__(self, comm: Any, collective: str, nbytes: int, dtype: np.dtype, op: ReduceOp, root: int,
-                 inplace: bool, algorithm: str, registered: bool) -> None:
+    def __init__(
+        self,
+        comm: Any,
+        collective: str,
+        nbytes: int,
+        dtype: np.dtype,
+        op: ReduceOp,
+        root: int,
+        inplace: bool,
+        algorithm: str,
+        registered: bool,
+    ) -> None:
         n, r = comm.world_size, comm.rank
         self.comm, self.collective, self.dtype, self.op, self.root = comm, collective, dtype, op, root
         self.inplace, self.algorithm = inplace, algorithm
@@ -287,16 +306,32 @@ def bench_rank(comm: Any, cfg: BenchConfig) -> list[Row]:
                 if cfg.progress and comm.rank == 0:
                     sys.stderr.write(f"\r\033[K[{done}/{total}] {collective} {algorithm} {nbytes} B {mode}")
                     sys.stderr.flush()
-                bufs = _Buffers(comm, collective, nbytes, dtype, op, max(root, 0), mode == "in-place", algorithm,
-                                cfg.registered)
+                bufs = _Buffers(
+                    comm, collective, nbytes, dtype, op, max(root, 0), mode == "in-place", algorithm, cfg.registered
+                )
                 med, p10, p90 = _time_size(comm, bufs, cfg)
                 wrong = np.array([bufs.wrong(cfg.inject_error and comm.rank == 0) if cfg.check else 0], np.int64)
                 comm.allreduce(wrong)
                 algbw = nbytes / med / 1e9 if med > 0 else 0.0
-                rows.append(Row(collective, algorithm, n, nbytes, bufs.count, dtype.name,
-                                cfg.op.lower() if collective in REDUCING else "none", root, mode, med * 1e6,
-                                algbw, algbw * bus_factor(collective, n), int(wrong[0]) if cfg.check else -1,
-                                p10 * 1e6, p90 * 1e6))
+                rows.append(
+                    Row(
+                        collective,
+                        algorithm,
+                        n,
+                        nbytes,
+                        bufs.count,
+                        dtype.name,
+                        cfg.op.lower() if collective in REDUCING else "none",
+                        root,
+                        mode,
+                        med * 1e6,
+                        algbw,
+                        algbw * bus_factor(collective, n),
+                        int(wrong[0]) if cfg.check else -1,
+                        p10 * 1e6,
+                        p90 * 1e6,
+                    )
+                )
                 del bufs
     if cfg.progress and comm.rank == 0:
         sys.stderr.write("\r\033[K")
@@ -405,7 +440,9 @@ def plot(series: dict[str, Sequence[Row]], path: str, title: str = "") -> None:
         raise RuntimeError("plotting needs matplotlib: pip install 'shmcoll[plot]'") from None
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, rows in series.items():
-        pts = sorted((r.size, r.busbw) for r in rows if r.mode == "out-of-place") or sorted((r.size, r.busbw) for r in rows)
+        pts = sorted((r.size, r.busbw) for r in rows if r.mode == "out-of-place") or sorted(
+            (r.size, r.busbw) for r in rows
+        )
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=label)
     ax.set_xscale("log", base=2)

@@ -98,8 +98,18 @@ class _Call:
 
     __slots__ = ("prog", "edt", "data", "tmp", "f16", "sig", "kind", "label", "dummy", "count")
 
-    def __init__(self, prog: np.ndarray, edt: np.dtype, data: np.ndarray, tmp: np.ndarray,
-                 f16: bool, sig: int, kind: str, label: str, count: int) -> None:
+    def __init__(
+        self,
+        prog: np.ndarray,
+        edt: np.dtype,
+        data: np.ndarray,
+        tmp: np.ndarray,
+        f16: bool,
+        sig: int,
+        kind: str,
+        label: str,
+        count: int,
+    ) -> None:
         self.prog = prog
         self.edt = edt
         self.data = data
@@ -136,8 +146,12 @@ class Communicator:
         oversubscribed = self._world_size > cores
         spin = cfg.spin if cfg.spin is not None else (64 if oversubscribed else 20_000)
         self._state = engine.new_state(
-            arena.layout, rank, spin=spin, yields=256 if oversubscribed else 32,
-            sleep_ns=_SLEEP_NS, slice_ns=_SLICE_NS,
+            arena.layout,
+            rank,
+            spin=spin,
+            yields=256 if oversubscribed else 32,
+            sleep_ns=_SLEEP_NS,
+            slice_ns=_SLICE_NS,
         )
         self._calls: dict[tuple[Any, ...], _Call] = {}
         self._scratch: dict[tuple[str, np.dtype], np.ndarray] = {}
@@ -146,8 +160,13 @@ class Communicator:
         self._verify = os.environ.get("SHMCOLL_VERIFY", "") == "1"
         self._log = _RankPrefix(log, {"rank": rank})
         arena.register(rank)
-        self._log.info("connected: world_size=%d, %d slots of %d bytes per ring, timeout %.1fs",
-                       self._world_size, arena.layout.nslots, arena.layout.slot_bytes, self._timeout)
+        self._log.info(
+            "connected: world_size=%d, %d slots of %d bytes per ring, timeout %.1fs",
+            self._world_size,
+            arena.layout.nslots,
+            arena.layout.slot_bytes,
+            self._timeout,
+        )
 
     # --- identity -----------------------------------------------------------------------------
     @property
@@ -174,8 +193,15 @@ class Communicator:
         return f"<shmcoll.Communicator rank {self._rank} of {self._world_size} ({state})>"
 
     # --- collectives --------------------------------------------------------------------------
-    def allreduce(self, x: np.ndarray, op: ReduceOp | int | str = ReduceOp.SUM, *, out: np.ndarray | None = None,
-                  algorithm: str = "auto", timeout: float | None = None) -> np.ndarray:
+    def allreduce(
+        self,
+        x: np.ndarray,
+        op: ReduceOp | int | str = ReduceOp.SUM,
+        *,
+        out: np.ndarray | None = None,
+        algorithm: str = "auto",
+        timeout: float | None = None,
+    ) -> np.ndarray:
         """Combine ``x`` element-wise across ranks; every rank gets the result.
 
         In place (the result overwrites ``x``) unless ``out`` is given. Returns the result.
@@ -197,9 +223,16 @@ class Communicator:
         self._run(call, x, out, timeout)
         return out  # type: ignore[return-value]
 
-    def reduce(self, x: np.ndarray, root: int = 0, op: ReduceOp | int | str = ReduceOp.SUM, *,
-               out: np.ndarray | None = None, algorithm: str = "auto",
-               timeout: float | None = None) -> np.ndarray | None:
+    def reduce(
+        self,
+        x: np.ndarray,
+        root: int = 0,
+        op: ReduceOp | int | str = ReduceOp.SUM,
+        *,
+        out: np.ndarray | None = None,
+        algorithm: str = "auto",
+        timeout: float | None = None,
+    ) -> np.ndarray | None:
         """Combine ``x`` element-wise across ranks onto ``root``.
 
         Returns the result on ``root`` (in ``out`` if given, else a new array; ``out=x`` reduces
@@ -227,8 +260,15 @@ class Communicator:
         self._run(call, x, None, timeout)
         return None
 
-    def broadcast(self, x: np.ndarray, root: int = 0, *, out: np.ndarray | None = None,
-                  algorithm: str = "auto", timeout: float | None = None) -> np.ndarray:
+    def broadcast(
+        self,
+        x: np.ndarray,
+        root: int = 0,
+        *,
+        out: np.ndarray | None = None,
+        algorithm: str = "auto",
+        timeout: float | None = None,
+    ) -> np.ndarray:
         """Copy root's ``x`` to every rank: in place in ``x`` (or into ``out``). Returns it."""
         if type(x) is not np.ndarray:
             return self._foreign("broadcast", x, root=root, out=out, algorithm=algorithm, timeout=timeout)  # type: ignore[no-any-return]
@@ -250,8 +290,9 @@ class Communicator:
         self._run(call, x, out, timeout)
         return out  # type: ignore[return-value]
 
-    def allgather(self, x: np.ndarray, *, out: np.ndarray | None = None, algorithm: str = "auto",
-                  timeout: float | None = None) -> np.ndarray:
+    def allgather(
+        self, x: np.ndarray, *, out: np.ndarray | None = None, algorithm: str = "auto", timeout: float | None = None
+    ) -> np.ndarray:
         """Every rank's ``x``, stacked: shape ``(world_size, *x.shape)`` on every rank.
 
         ``x`` may be ``out[rank]`` itself (in place).
@@ -273,8 +314,15 @@ class Communicator:
         self._run(call, x, out, timeout)
         return out
 
-    def gather(self, x: np.ndarray, root: int = 0, *, out: np.ndarray | None = None,
-               algorithm: str = "auto", timeout: float | None = None) -> np.ndarray | None:
+    def gather(
+        self,
+        x: np.ndarray,
+        root: int = 0,
+        *,
+        out: np.ndarray | None = None,
+        algorithm: str = "auto",
+        timeout: float | None = None,
+    ) -> np.ndarray | None:
         """Every rank's ``x`` stacked on ``root`` (shape ``(world_size, *x.shape)``); ``None``
         elsewhere."""
         if type(x) is not np.ndarray:
@@ -296,8 +344,15 @@ class Communicator:
         self._run(call, x, out if at_root else None, timeout)
         return out if at_root else None
 
-    def scatter(self, x: np.ndarray | None, root: int = 0, *, out: np.ndarray | None = None,
-                algorithm: str = "auto", timeout: float | None = None) -> np.ndarray:
+    def scatter(
+        self,
+        x: np.ndarray | None,
+        root: int = 0,
+        *,
+        out: np.ndarray | None = None,
+        algorithm: str = "auto",
+        timeout: float | None = None,
+    ) -> np.ndarray:
         """Block ``j`` of root's ``x`` (shape ``(world_size, *shape)``) to rank ``j``.
 
         Non-root ranks pass ``x=None`` and must give ``out`` (it fixes the shape and dtype);
@@ -310,7 +365,9 @@ class Communicator:
                 return self._foreign("scatter", x, root=root, out=out, algorithm=algorithm, timeout=timeout)  # type: ignore[no-any-return]
             self._check_read(x, "x")
             if x.ndim == 0 or x.shape[0] != self._world_size:
-                raise ValueError(f"scatter: root's x must have shape (world_size={self._world_size}, ...), got {x.shape}")
+                raise ValueError(
+                    f"scatter: root's x must have shape (world_size={self._world_size}, ...), got {x.shape}"
+                )
             if out is None:
                 out = np.empty(x.shape[1:], dtype=x.dtype)
             else:
@@ -331,9 +388,15 @@ class Communicator:
         self._run(call, x if at_root else None, out, timeout)
         return out
 
-    def reduce_scatter(self, x: np.ndarray, op: ReduceOp | int | str = ReduceOp.SUM, *,
-                       out: np.ndarray | None = None, algorithm: str = "auto",
-                       timeout: float | None = None) -> np.ndarray:
+    def reduce_scatter(
+        self,
+        x: np.ndarray,
+        op: ReduceOp | int | str = ReduceOp.SUM,
+        *,
+        out: np.ndarray | None = None,
+        algorithm: str = "auto",
+        timeout: float | None = None,
+    ) -> np.ndarray:
         """Combine ``x`` across ranks and give rank ``j`` block ``j`` of the result.
 
         ``x.shape[0]`` must be divisible by ``world_size``; the result has shape
@@ -359,8 +422,9 @@ class Communicator:
         self._run(call, x, out, timeout)
         return out
 
-    def alltoall(self, x: np.ndarray, *, out: np.ndarray | None = None, algorithm: str = "auto",
-                 timeout: float | None = None) -> np.ndarray:
+    def alltoall(
+        self, x: np.ndarray, *, out: np.ndarray | None = None, algorithm: str = "auto", timeout: float | None = None
+    ) -> np.ndarray:
         """Block ``j`` of each rank's ``x`` goes to rank ``j``: ``out[i]`` = rank ``i``'s
         ``x[rank]``. ``x.shape[0]`` must be ``world_size``; ``out=x`` works in place."""
         if type(x) is not np.ndarray:
@@ -408,8 +472,9 @@ class Communicator:
         call = self._calls.get(key)
         if call is None:
             self._check_peer(dst, "dst")
-            call = self._prepare(key, "p2p", x.dtype, x.size, algorithm="direct", root=self._rank, peer=dst,
-                                 p2p_peer=dst, p2p_send=True)
+            call = self._prepare(
+                key, "p2p", x.dtype, x.size, algorithm="direct", root=self._rank, peer=dst, p2p_peer=dst, p2p_send=True
+            )
         self._run(call, x, None, timeout)
 
     def recv(self, buf: np.ndarray, src: int, *, timeout: float | None = None) -> np.ndarray:
@@ -421,8 +486,17 @@ class Communicator:
         call = self._calls.get(key)
         if call is None:
             self._check_peer(src, "src")
-            call = self._prepare(key, "p2p", buf.dtype, buf.size, algorithm="direct", root=src, peer=self._rank,
-                                 p2p_peer=src, p2p_send=False)
+            call = self._prepare(
+                key,
+                "p2p",
+                buf.dtype,
+                buf.size,
+                algorithm="direct",
+                root=src,
+                peer=self._rank,
+                p2p_peer=src,
+                p2p_send=False,
+            )
         self._run(call, None, buf, timeout)
         return buf
 
@@ -448,8 +522,10 @@ class Communicator:
         self._raise_pickle_failures("allgather_object", sizes, error)
         blocks = self._padded(payload, int(sizes.max()))
         everything = self.allgather(blocks, timeout=timeout)
-        return [obj if r == self._rank else pickle.loads(everything[r, : sizes[r]].tobytes())
-                for r in range(self._world_size)]
+        return [
+            obj if r == self._rank else pickle.loads(everything[r, : sizes[r]].tobytes())
+            for r in range(self._world_size)
+        ]
 
     def gather_object(self, obj: Any, root: int = 0, *, timeout: float | None = None) -> list[Any] | None:
         """Every rank's picklable ``obj`` as a list on ``root``; ``None`` elsewhere."""
@@ -461,8 +537,10 @@ class Communicator:
         everything = self.gather(blocks, root=root, timeout=timeout)
         if everything is None:
             return None
-        return [obj if r == self._rank else pickle.loads(everything[r, : sizes[r]].tobytes())
-                for r in range(self._world_size)]
+        return [
+            obj if r == self._rank else pickle.loads(everything[r, : sizes[r]].tobytes())
+            for r in range(self._world_size)
+        ]
 
     def scatter_object(self, objs: Sequence[Any] | None, root: int = 0, *, timeout: float | None = None) -> Any:
         """Element ``j`` of root's sequence ``objs`` to rank ``j``."""
@@ -660,9 +738,21 @@ class Communicator:
             raise ValueError(f"{name}={peer} is this rank itself")
 
     # --- plans --------------------------------------------------------------------------------
-    def _prepare(self, key: tuple[Any, ...], kind: str, dtype: np.dtype, count: int, *, op: Any = ReduceOp.SUM,
-                 algorithm: str = "auto", inplace: bool = False, root: int = 0, peer: int = 0,
-                 p2p_peer: int = ir.NO_PEER, p2p_send: bool = False) -> _Call:
+    def _prepare(
+        self,
+        key: tuple[Any, ...],
+        kind: str,
+        dtype: np.dtype,
+        count: int,
+        *,
+        op: Any = ReduceOp.SUM,
+        algorithm: str = "auto",
+        inplace: bool = False,
+        root: int = 0,
+        peer: int = 0,
+        p2p_peer: int = ir.NO_PEER,
+        p2p_send: bool = False,
+    ) -> _Call:
         """Validate a call shape once and build, encode and cache its plan."""
         self._check_usable()
         if dtype not in DTYPE_CODE:
@@ -695,16 +785,30 @@ class Communicator:
         slot_count = self._arena.layout.slot_bytes // edt.itemsize
         plan = segment(alg, self._world_size, count, slot_count, root=root, inplace=inplace, peer=peer)
         if self._verify:
-            verify(plan, world_size=self._world_size, count=count, root=root, inplace=inplace,
-                   nslots=self._arena.layout.nslots, peer=peer)
+            verify(
+                plan,
+                world_size=self._world_size,
+                count=count,
+                root=root,
+                inplace=inplace,
+                nslots=self._arena.layout.nslots,
+                peer=peer,
+            )
         sig = ir.pack_sig(kind, alg.code, dtype, int(rop), root if kind != "p2p" else 0, count)
         prog = ir.encode(plan, self._rank, self._arena.layout.channel, int(eop), sig, p2p_peer, p2p_send)
         tmp = self._scratch_array("tmp", edt, plan.tmp_count)
         label = ir.describe_sig(sig, ALGORITHM_NAMES)
         call = _Call(prog, edt, self._arena.view(edt), tmp, f16, sig, kind, label, count)
         self._calls[key] = call
-        self._log.info("%s: algorithm %s, %d piece(s) of %d + tail %d, %d scratch elements",
-                       label, alg.name, plan.reps, plan.piece, plan.tail.count, plan.tmp_count)
+        self._log.info(
+            "%s: algorithm %s, %d piece(s) of %d + tail %d, %d scratch elements",
+            label,
+            alg.name,
+            plan.reps,
+            plan.piece,
+            plan.tail.count,
+            plan.tmp_count,
+        )
         return call
 
     def _check_size(self, kind: str, count: int, dtype: np.dtype) -> None:
@@ -819,21 +923,25 @@ class Communicator:
 
     def _activity(self, rank: int) -> str:
         a = self._arena
-        state = a.rank_field(rank, L.R_STATE)
-        done = f"last completed {ir.describe_sig(a.rank_field(rank, L.R_DONE_SIG), ALGORITHM_NAMES)} #{a.rank_field(rank, L.R_DONE_SEQ)}"
         if a.rank_field(rank, L.R_PID) == 0:
             return f"rank {rank}: never connected"
+        state = a.rank_field(rank, L.R_STATE)
+        last = ir.describe_sig(a.rank_field(rank, L.R_DONE_SIG), ALGORITHM_NAMES)
+        done = f"last completed {last} #{a.rank_field(rank, L.R_DONE_SEQ)}"
         if state == L.STATE_IN_CALL:
             cur = ir.describe_sig(a.rank_field(rank, L.R_CUR_SIG), ALGORITHM_NAMES)
-            return f"rank {rank}: in {cur} #{a.rank_field(rank, L.R_CUR_SEQ)} (step {a.rank_field(rank, L.R_CUR_STEP)}); {done}"
+            seq, step = a.rank_field(rank, L.R_CUR_SEQ), a.rank_field(rank, L.R_CUR_STEP)
+            return f"rank {rank}: in {cur} #{seq} (step {step}); {done}"
         name = {L.STATE_IDLE: "not in a call", L.STATE_EXITED: "closed", L.STATE_FAILED: "failed"}.get(state, "?")
         return f"rank {rank}: {name}; {done}"
 
     def _fail_timeout(self, call: _Call, limit: float) -> None:
         waited = int(self._state[engine.S_WAIT_PEER])
         peers = "; ".join(self._activity(r) for r in range(self._world_size) if r != self._rank)
-        msg = (f"rank {self._rank}: {self._where(call)} timed out after {limit:g}s waiting for rank {waited}. "
-               f"Peers: {peers}")
+        msg = (
+            f"rank {self._rank}: {self._where(call)} timed out after {limit:g}s waiting for rank {waited}. "
+            f"Peers: {peers}"
+        )
         engine.raise_abort(self._ctrl, self._state, L.ABORT_TIMEOUT, waited, self._seq(), call.sig, self._step(), 0)
         self._broken = msg
         raise CollectiveTimeout(msg)
@@ -844,9 +952,11 @@ class Communicator:
         their_sig = int(self._state[engine.S_ERR_SIG])
         step = int(self._state[engine.S_ERR_STEP])
         theirs = ir.describe_sig(their_sig, ALGORITHM_NAMES)
-        msg = (f"rank {self._rank} called {call.label} (call #{self._seq()}, step {step}) but rank {peer} "
-               f"called {theirs} (call #{their_seq}): ranks must call the same collectives, in the same "
-               f"order, with the same sizes, dtypes, ops and roots")
+        msg = (
+            f"rank {self._rank} called {call.label} (call #{self._seq()}, step {step}) but rank {peer} "
+            f"called {theirs} (call #{their_seq}): ranks must call the same collectives, in the same "
+            f"order, with the same sizes, dtypes, ops and roots"
+        )
         engine.raise_abort(self._ctrl, self._state, L.ABORT_MISMATCH, peer, their_seq, their_sig, step, 0)
         self._broken = msg
         raise CollectiveMismatchError(msg)
@@ -871,9 +981,11 @@ class Communicator:
         if code == L.ABORT_MISMATCH:
             mine = ir.describe_sig(self._arena.rank_field(origin, L.R_CUR_SIG), ALGORITHM_NAMES)
             theirs = ir.describe_sig(info["sig"], ALGORITHM_NAMES)
-            msg = (f"{where}: mismatched collectives: rank {origin} called {mine} "
-                   f"(call #{self._arena.rank_field(origin, L.R_CUR_SEQ)}) but rank {peer} called {theirs} "
-                   f"(call #{info['seq']})")
+            msg = (
+                f"{where}: mismatched collectives: rank {origin} called {mine} "
+                f"(call #{self._arena.rank_field(origin, L.R_CUR_SEQ)}) but rank {peer} called {theirs} "
+                f"(call #{info['seq']})"
+            )
             self._broken = msg
             raise CollectiveMismatchError(msg)
         reason = L.ABORT_REASONS.get(code, f"abort code {code}")

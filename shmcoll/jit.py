@@ -27,8 +27,15 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # Every file whose code ends up inside a jitted function.
-_JITTED_SOURCES = ("jit.py", "shm/atomics.py", "kernels/scalar.py", "kernels/cpu.py", "engine/cpu.py",
-                   "plan/ir.py", "shm/layout.py")
+_JITTED_SOURCES = (
+    "jit.py",
+    "shm/atomics.py",
+    "kernels/scalar.py",
+    "kernels/cpu.py",
+    "engine/cpu.py",
+    "plan/ir.py",
+    "shm/layout.py",
+)
 
 
 def _source_key() -> str:

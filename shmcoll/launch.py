@@ -126,8 +126,9 @@ class Group:
         timeout: default seconds a collective waits for its peers (``SHMCOLL_TIMEOUT``).
     """
 
-    def __init__(self, world_size: int, *, slot_bytes: int | None = None, nslots: int | None = None,
-                 timeout: float | None = None) -> None:
+    def __init__(
+        self, world_size: int, *, slot_bytes: int | None = None, nslots: int | None = None, timeout: float | None = None
+    ) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         cfg = config.get()
@@ -135,7 +136,9 @@ class Group:
         self.timeout = timeout
         self._janitor: _Janitor | None = _Janitor(self.token)
         try:
-            self._arena: Arena | None = Arena.create(world_size, nslots or cfg.nslots, slot_bytes or cfg.slot_bytes, self.token)
+            self._arena: Arena | None = Arena.create(
+                world_size, nslots or cfg.nslots, slot_bytes or cfg.slot_bytes, self.token
+            )
         except BaseException:
             self._janitor.close()
             raise
@@ -210,8 +213,15 @@ class Group:
 
 
 # --- spawn ----------------------------------------------------------------------------------
-def _rank_main(group: Group, rank: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-               conn: mp.connection.Connection, parent_pid: int) -> None:
+def _rank_main(
+    group: Group,
+    rank: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    conn: mp.connection.Connection,
+    parent_pid: int,
+) -> None:
     _rank_process_setup(parent_pid)
     comm: Communicator | None = None
     failed = False
@@ -246,8 +256,15 @@ def _rank_main(group: Group, rank: int, fn: Callable[..., Any], args: tuple[Any,
 
 
 class _Failure:
-    def __init__(self, rank: int, reason: str, exitcode: int | None = None, tb: str | None = None,
-                 exc: BaseException | None = None, secondary: bool = False) -> None:
+    def __init__(
+        self,
+        rank: int,
+        reason: str,
+        exitcode: int | None = None,
+        tb: str | None = None,
+        exc: BaseException | None = None,
+        secondary: bool = False,
+    ) -> None:
         self.rank = rank
         self.reason = reason
         self.exitcode = exitcode
@@ -267,9 +284,18 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def spawn(fn: Callable[..., Any], nprocs: int, *, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
-          timeout: float | None = None, comm_timeout: float | None = None, start_method: str = "spawn",
-          slot_bytes: int | None = None, nslots: int | None = None) -> list[Any]:
+def spawn(
+    fn: Callable[..., Any],
+    nprocs: int,
+    *,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout: float | None = None,
+    comm_timeout: float | None = None,
+    start_method: str = "spawn",
+    slot_bytes: int | None = None,
+    nslots: int | None = None,
+) -> list[Any]:
     """Run ``fn(comm, *args, **kwargs)`` on ``nprocs`` new processes; return their results by rank.
 
     If any rank fails (raises, is killed, exits), the others are aborted, and :class:`SpawnError`
@@ -315,8 +341,13 @@ def _join(group: Group, procs: list[Any], readers: list[Any], timeout: float | N
                 _dump_and_kill(alive)
                 break
             if deadline is not None and now > deadline:
-                failures.append(_Failure(-1, f"timed out after {timeout}s; ranks still running: "
-                                             f"{[procs.index(p) for p in alive]} (stacks dumped to stderr)"))
+                failures.append(
+                    _Failure(
+                        -1,
+                        f"timed out after {timeout}s; ranks still running: "
+                        f"{[procs.index(p) for p in alive]} (stacks dumped to stderr)",
+                    )
+                )
                 _dump_and_kill(alive)
                 break
             waitables = [p.sentinel for p in alive] + list(open_readers.values())
@@ -341,8 +372,15 @@ def _join(group: Group, procs: list[Any], readers: list[Any], timeout: float | N
                         except Exception:  # noqa: BLE001
                             exc = None
                     secondary = isinstance(exc, ShmcollError)
-                    failures.append(_Failure(rank, f"raised {type(exc).__name__ if exc else 'an error'}",
-                                             tb=text, exc=exc, secondary=secondary))
+                    failures.append(
+                        _Failure(
+                            rank,
+                            f"raised {type(exc).__name__ if exc else 'an error'}",
+                            tb=text,
+                            exc=exc,
+                            secondary=secondary,
+                        )
+                    )
             for rank, p in enumerate(procs):
                 if p.exitcode is not None and p.exitcode != 0 and rank not in results and rank not in open_readers:
                     if not any(f.rank == rank for f in failures):
@@ -380,8 +418,12 @@ def _spawn_error(failures: list[_Failure]) -> SpawnError:
         lines.append(f"  then rank {f.rank}: {f.reason}{detail}")
     if primary.tb:
         lines.append(f"--- traceback of rank {primary.rank} ---\n{primary.tb.rstrip()}")
-    err = SpawnError("\n".join(lines), rank=primary.rank if primary.rank >= 0 else None,
-                     exitcode=primary.exitcode, remote_traceback=primary.tb)
+    err = SpawnError(
+        "\n".join(lines),
+        rank=primary.rank if primary.rank >= 0 else None,
+        exitcode=primary.exitcode,
+        remote_traceback=primary.tb,
+    )
     if primary.exc is not None:
         err.__cause__ = primary.exc
     return err
@@ -453,8 +495,16 @@ class _Child:
             self.sentinel = None
 
 
-def run_script(nprocs: int, argv: Sequence[str], *, timeout: float | None = None, comm_timeout: float | None = None,
-               slot_bytes: int | None = None, nslots: int | None = None, out: Any = None) -> int:
+def run_script(
+    nprocs: int,
+    argv: Sequence[str],
+    *,
+    timeout: float | None = None,
+    comm_timeout: float | None = None,
+    slot_bytes: int | None = None,
+    nslots: int | None = None,
+    out: Any = None,
+) -> int:
     """Run ``python argv...`` as ``nprocs`` ranks; returns the exit code for ``shmcoll run``.
 
     0 if every rank exits 0; else the first failing rank's code (128 + signal if killed), and a
@@ -474,7 +524,8 @@ def run_script(nprocs: int, argv: Sequence[str], *, timeout: float | None = None
             for rank in range(nprocs):
                 env = dict(base_env, SHMCOLL_RANK=str(rank))
                 popen = subprocess.Popen(
-                    [sys.executable, *argv], env=env,
+                    [sys.executable, *argv],
+                    env=env,
                     preexec_fn=lambda: _set_parent_death_signal() if os.getppid() == parent else os._exit(1),
                 )
                 children.append(_Child(popen))

@@ -44,8 +44,10 @@ class Case:
     def describe(self) -> str:
         op = f" {ReduceOp(self.op).name}" if self.kind in REDUCING else ""
         root = f" root={self.root}" if self.kind in ROOTED else ""
-        return (f"{self.kind}/{self.algorithm} {self.dtype}{op}{root} count={self.count}"
-                f"{' in-place' if self.inplace else ''} data={self.data} [seed {SEED}, case {self.case_id}]")
+        return (
+            f"{self.kind}/{self.algorithm} {self.dtype}{op}{root} count={self.count}"
+            f"{' in-place' if self.inplace else ''} data={self.data} [seed {SEED}, case {self.case_id}]"
+        )
 
 
 def counts_for(world_size: int, slot_count: int) -> list[int]:
@@ -107,8 +109,12 @@ def reduce_ref(op: int, stacked: np.ndarray, world_size: int) -> np.ndarray:
             return (wide.real / world_size + 1j * (wide.imag / world_size)).astype(dtype)
         return (total.astype(np.float64) / world_size).astype(dtype)
     ufunc = {
-        ReduceOp.SUM: np.add, ReduceOp.PROD: np.multiply, ReduceOp.MIN: np.minimum,
-        ReduceOp.MAX: np.maximum, ReduceOp.BAND: np.bitwise_and, ReduceOp.BOR: np.bitwise_or,
+        ReduceOp.SUM: np.add,
+        ReduceOp.PROD: np.multiply,
+        ReduceOp.MIN: np.minimum,
+        ReduceOp.MAX: np.maximum,
+        ReduceOp.BAND: np.bitwise_and,
+        ReduceOp.BOR: np.bitwise_or,
         ReduceOp.BXOR: np.bitwise_xor,
     }[op]
     if dtype.kind == "b" and op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):
@@ -221,8 +227,12 @@ def run_cases(comm: Any, cases: list[Case]) -> tuple[list[str], dict[int, str]]:
     return failures, digests
 
 
-def matrix(world_size: int, slot_bytes: int, algorithms: dict[str, list[str]] | None = None,
-           kinds: tuple[str, ...] = COLLECTIVES) -> list[Case]:
+def matrix(
+    world_size: int,
+    slot_bytes: int,
+    algorithms: dict[str, list[str]] | None = None,
+    kinds: tuple[str, ...] = COLLECTIVES,
+) -> list[Case]:
     """The full matrix for one world size: every collective x algorithm x root x dtype x op x count."""
     cases: list[Case] = []
     cid = 0
@@ -250,21 +260,62 @@ def matrix(world_size: int, slot_bytes: int, algorithms: dict[str, list[str]] | 
                             # which differ only in the kernels, see them on root 0.
                             if root and dtype.name not in ("float32", "int8") and count not in (1, counts[-1]):
                                 continue
-                            add(kind=kind, algorithm=alg, dtype=dtype.name, op=int(op), root=root,
-                                count=count, inplace=bool(count % 2), data="int", shape2d=count % 2 == 0 and count > 0)
+                            add(
+                                kind=kind,
+                                algorithm=alg,
+                                dtype=dtype.name,
+                                op=int(op),
+                                root=root,
+                                count=count,
+                                inplace=bool(count % 2),
+                                data="int",
+                                shape2d=count % 2 == 0 and count > 0,
+                            )
                     if kind in REDUCING and root == 0:
                         if dtype.kind in "fc":
-                            add(kind=kind, algorithm=alg, dtype=dtype.name, op=int(ReduceOp.SUM), root=0,
-                                count=counts[-1], inplace=False, data="float")
+                            add(
+                                kind=kind,
+                                algorithm=alg,
+                                dtype=dtype.name,
+                                op=int(ReduceOp.SUM),
+                                root=0,
+                                count=counts[-1],
+                                inplace=False,
+                                data="float",
+                            )
                             for op in (ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX):
                                 if supports(op, dtype):
-                                    add(kind=kind, algorithm=alg, dtype=dtype.name, op=int(op), root=0,
-                                        count=counts[-1], inplace=False, data="nan")
+                                    add(
+                                        kind=kind,
+                                        algorithm=alg,
+                                        dtype=dtype.name,
+                                        op=int(op),
+                                        root=0,
+                                        count=counts[-1],
+                                        inplace=False,
+                                        data="nan",
+                                    )
                         if dtype.kind in "iu":
                             for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PROD):
-                                add(kind=kind, algorithm=alg, dtype=dtype.name, op=int(op), root=0,
-                                    count=counts[-1], inplace=True, data="wrap")
+                                add(
+                                    kind=kind,
+                                    algorithm=alg,
+                                    dtype=dtype.name,
+                                    op=int(op),
+                                    root=0,
+                                    count=counts[-1],
+                                    inplace=True,
+                                    data="wrap",
+                                )
                 if kind not in REDUCING and root == 0:
-                    add(kind=kind, algorithm=alg, dtype="float64", op=int(ReduceOp.SUM), root=0,
-                        count=counts_for(world_size, max(slot_bytes // 8, 1))[-1], inplace=False, data="float")
+                    add(
+                        kind=kind,
+                        algorithm=alg,
+                        dtype="float64",
+                        op=int(ReduceOp.SUM),
+                        root=0,
+                        count=counts_for(world_size, max(slot_bytes // 8, 1))[-1],
+                        inplace=False,
+                        data="float",
+                    )
     return cases

@@ -14,8 +14,23 @@ from harness import Pools  # noqa: E402
 
 from shmcoll.shm.segment import issued_tokens, list_segments, stale_segments, token_of  # noqa: E402
 
-ENGINE_DTYPES = [np.dtype(t) for t in (np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32, np.uint64,
-                                       np.int64, np.float32, np.float64, np.complex64, np.complex128)]
+ENGINE_DTYPES = [
+    np.dtype(t)
+    for t in (
+        np.uint8,
+        np.int8,
+        np.uint16,
+        np.int16,
+        np.uint32,
+        np.int32,
+        np.uint64,
+        np.int64,
+        np.float32,
+        np.float64,
+        np.complex64,
+        np.complex128,
+    )
+]
 
 
 @pytest.fixture(scope="session", autouse=True)

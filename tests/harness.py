@@ -48,8 +48,9 @@ def _serve(group: shmcoll.Group, rank: int, conn: Any, parent_pid: int) -> None:
 class RankPool:
     """``world_size`` long-lived ranks of one group."""
 
-    def __init__(self, world_size: int, *, slot_bytes: int | None = None, nslots: int | None = None,
-                 comm_timeout: float = 30.0) -> None:
+    def __init__(
+        self, world_size: int, *, slot_bytes: int | None = None, nslots: int | None = None, comm_timeout: float = 30.0
+    ) -> None:
         self.world_size = world_size
         self.slot_bytes = slot_bytes
         self.nslots = nslots
@@ -60,8 +61,9 @@ class RankPool:
         self.broken = False
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(self.group, rank, child_end, os.getpid()),
-                            name=f"pool-rank-{rank}", daemon=True)
+            p = ctx.Process(
+                target=_serve, args=(self.group, rank, child_end, os.getpid()), name=f"pool-rank-{rank}", daemon=True
+            )
             p.start()
             child_end.close()
             self.conns.append(parent_end)
@@ -85,8 +87,9 @@ class RankPool:
                 break
             if now > deadline:
                 self._dump_stacks(pending)
-                errors.append(f"deadline of {timeout}s passed; ranks {sorted(pending)} still running "
-                              f"(their stacks are on stderr)")
+                errors.append(
+                    f"deadline of {timeout}s passed; ranks {sorted(pending)} still running (their stacks are on stderr)"
+                )
                 break
             waitables = [self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending]
             mp.connection.wait(waitables, timeout=min(0.1, max(deadline - now, 0.001)))

@@ -8,15 +8,13 @@ import subprocess
 import sys
 
 from click.testing import CliRunner
-
 from shmcoll.cli.main import main
 
 SMALL = ["-n", "2", "-b", "8", "-e", "2K", "-f", "4", "--iters", "3", "--warmup", "1", "--quiet"]
 
 
 def _shmcoll(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shmcoll.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "shmcoll.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_help_and_version() -> None:
@@ -60,8 +58,32 @@ def test_bench_counts_wrong_results() -> None:
 
 def test_bench_every_collective_csv(tmp_path) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "rows.csv"
-    proc = _shmcoll("bench", "-n", "3", "-c", "all", "-b", "64", "-e", "1K", "-f", "16", "--iters", "2",
-                    "--warmup", "1", "--quiet", "--dtype", "int32", "--op", "max", "--root", "2", "--csv", str(out))
+    proc = _shmcoll(
+        "bench",
+        "-n",
+        "3",
+        "-c",
+        "all",
+        "-b",
+        "64",
+        "-e",
+        "1K",
+        "-f",
+        "16",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--quiet",
+        "--dtype",
+        "int32",
+        "--op",
+        "max",
+        "--root",
+        "2",
+        "--csv",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stderr
     text = out.read_text().splitlines()
     assert text[0].startswith("collective,algorithm")

@@ -92,8 +92,13 @@ def reduce(ctx: Context) -> None:
     for peer in _others(ctx, root):
         ctx.send(peer, root, ctx.region(Buf.IN), count)
     accumulate_in_rank_order(
-        ctx, root, ctx.region(Buf.IN), ctx.region(Buf.OUT), count,
-        list(range(ctx.world_size)), acc_aliases_own=ctx.inplace,
+        ctx,
+        root,
+        ctx.region(Buf.IN),
+        ctx.region(Buf.OUT),
+        count,
+        list(range(ctx.world_size)),
+        acc_aliases_own=ctx.inplace,
     )
 
 
@@ -106,8 +111,13 @@ def allreduce(ctx: Context) -> None:
         for peer in _others(ctx, rank):
             ctx.send(rank, peer, ctx.region(Buf.IN), count)
         accumulate_in_rank_order(
-            ctx, rank, ctx.region(Buf.IN), ctx.region(Buf.OUT), count,
-            contributors, acc_aliases_own=ctx.inplace,
+            ctx,
+            rank,
+            ctx.region(Buf.IN),
+            ctx.region(Buf.OUT),
+            count,
+            contributors,
+            acc_aliases_own=ctx.inplace,
         )
 
 
@@ -120,8 +130,13 @@ def reduce_scatter(ctx: Context) -> None:
         for peer in _others(ctx, rank):
             ctx.send(rank, peer, ctx.block_region(Buf.IN, peer), count)
         accumulate_in_rank_order(
-            ctx, rank, ctx.block_region(Buf.IN, rank), ctx.region(Buf.OUT), count,
-            contributors, acc_aliases_own=ctx.inplace,
+            ctx,
+            rank,
+            ctx.block_region(Buf.IN, rank),
+            ctx.region(Buf.OUT),
+            count,
+            contributors,
+            acc_aliases_own=ctx.inplace,
         )
 
 

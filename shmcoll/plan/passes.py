@@ -129,5 +129,3 @@ def channel_skeleton(plan: Plan) -> list[list[tuple[str, int, int]]]:
                 events.append(("send", s.send, s.count))
         skeletons.append(events)
     return skeletons
-
-

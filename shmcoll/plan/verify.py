@@ -264,5 +264,12 @@ def verify(
 def verify_plan(plan: Plan, *, nslots: int = 1, peer: int = 0) -> None:
     """Check one piece's plan on its own (a call that is exactly one piece)."""
     seg = SegmentedPlan(body=None, tail=plan, reps=0, piece=max(plan.count, 1))
-    verify(seg, world_size=plan.world_size, count=plan.count, root=plan.root, inplace=plan.inplace,
-           nslots=nslots, peer=peer)
+    verify(
+        seg,
+        world_size=plan.world_size,
+        count=plan.count,
+        root=plan.root,
+        inplace=plan.inplace,
+        nslots=nslots,
+        peer=peer,
+    )

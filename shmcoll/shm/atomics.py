@@ -55,9 +55,7 @@ _TIMESPEC = ir.LiteralStructType([_i64, _i64])
 
 def _word_ptr(context, builder, arrty, arr, idx):  # type: ignore[no-untyped-def]
     ary = context.make_array(arrty)(context, builder, arr)
-    return cgutils.get_item_pointer(
-        context, builder, arrty, ary, [idx], wraparound=False, boundscheck=False
-    )
+    return cgutils.get_item_pointer(context, builder, arrty, ary, [idx], wraparound=False, boundscheck=False)
 
 
 def _check_words(arr: types.Type) -> None:

@@ -106,8 +106,9 @@ def test_shmcoll_run_reports_failing_rank(tmp_path) -> None:  # type: ignore[no-
 
 def test_init_without_launcher_is_a_clear_error() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHMCOLL_")}
-    proc = subprocess.run([sys.executable, "-c", "import shmcoll; shmcoll.init()"], env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import shmcoll; shmcoll.init()"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode != 0 and "shmcoll run" in proc.stderr
 
 
@@ -220,8 +221,11 @@ def _bad_inputs(comm):  # type: ignore[no-untyped-def]
         (lambda: comm.reduce(x, root=n + 5), ValueError, "root"),
         (lambda: comm.reduce_scatter(np.zeros(n * 3 + 1, np.float32)), ValueError, "divisible"),
         (lambda: comm.alltoall(np.zeros((n + 1, 2), np.float32)), ValueError, "world_size"),
-        (lambda: comm.scatter(None, root=0, out=None) if comm.rank != 0 else comm.scatter(np.zeros((n + 1, 2)), 0),
-         ValueError, "out=|world_size"),
+        (
+            lambda: comm.scatter(None, root=0, out=None) if comm.rank != 0 else comm.scatter(np.zeros((n + 1, 2)), 0),
+            ValueError,
+            "out=|world_size",
+        ),
         (lambda: comm.allgather(x, out=np.empty((n, 11), np.float32)), ValueError, "shape"),
         (lambda: comm.send(x, dst=comm.rank), ValueError, "this rank itself"),
         (lambda: comm.send(x, dst=n), ValueError, "out of range"),

@@ -45,9 +45,17 @@ def test_parse_size() -> None:
 
 
 def test_config_from_environment() -> None:
-    cfg = config.load({"SHMCOLL_TIMEOUT": "2.5", "SHMCOLL_SLOT_BYTES": "4K", "SHMCOLL_NSLOTS": "8",
-                       "SHMCOLL_DEBUG": "info", "SHMCOLL_RANK": "3", "SHMCOLL_SPIN": "auto",
-                       "SHMCOLL_CACHE_DIR": "/tmp/x"})
+    cfg = config.load(
+        {
+            "SHMCOLL_TIMEOUT": "2.5",
+            "SHMCOLL_SLOT_BYTES": "4K",
+            "SHMCOLL_NSLOTS": "8",
+            "SHMCOLL_DEBUG": "info",
+            "SHMCOLL_RANK": "3",
+            "SHMCOLL_SPIN": "auto",
+            "SHMCOLL_CACHE_DIR": "/tmp/x",
+        }
+    )
     assert cfg.timeout_s == 2.5 and cfg.slot_bytes == 4096 and cfg.nslots == 8
     assert cfg.debug == "INFO" and cfg.rank == 3 and cfg.spin is None
     assert cfg.tune_file == "/tmp/x/tune.json"
