@@ -500,6 +500,20 @@ class Communicator:
         self._run(call, None, buf, timeout)
         return buf
 
+    def probe(self, src: int) -> bool:
+        """Whether a message from rank ``src`` is waiting (non-blocking; like ``MPI_Iprobe``).
+
+        True means the next ``recv(..., src=src)`` will not wait for ``src`` to send. Channels are
+        ordered and shared with collectives, so only probe where the next message from ``src``
+        is a point-to-point one.
+        """
+        self._check_usable()
+        self._check_peer(src, "src")
+        lay = self._arena.layout
+        ch = lay.channel(src, self._rank)
+        head = self._arena.word(lay.channel_word(ch, L.C_HEAD))
+        return head > int(self._ctrl[lay.channel_word(ch, L.C_TAIL)])
+
     # --- object collectives -------------------------------------------------------------------
     def broadcast_object(self, obj: Any, root: int = 0, *, timeout: float | None = None) -> Any:
         """Root's picklable ``obj`` on every rank (root gets its own object back)."""

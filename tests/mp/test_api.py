@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -134,6 +135,31 @@ def test_send_recv_ring(pools, world_size: int) -> None:  # type: ignore[no-unty
     pool = pools.get(world_size, slot_bytes=64, nslots=2)
     for count in (0, 1, 7, 100):
         assert pool.run(_p2p, count) == [True] * world_size
+
+
+def _probe(comm):  # type: ignore[no-untyped-def]
+    x = np.arange(5, dtype=np.int64)
+    if comm.rank == 1:
+        assert not comm.probe(0)
+        comm.barrier()
+        deadline = time.monotonic() + 10
+        while not comm.probe(0):
+            assert time.monotonic() < deadline, "message never arrived"
+            time.sleep(0.001)
+        comm.recv(x, src=0)
+        assert not comm.probe(0)
+        return x.tolist()
+    comm.barrier()
+    if comm.rank == 0:
+        comm.send(x * 2, dst=1)
+        with pytest.raises(ValueError, match="itself"):
+            comm.probe(0)
+    return None
+
+
+def test_probe(pools) -> None:  # type: ignore[no-untyped-def]
+    pool = pools.get(3, slot_bytes=64, nslots=2)
+    assert pool.run(_probe)[1] == [0, 2, 4, 6, 8]
 
 
 def _objects_others(comm):  # type: ignore[no-untyped-def]
