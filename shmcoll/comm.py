@@ -44,6 +44,7 @@ from shmcoll.types import (
     DTYPE_CODE,
     FLOAT16,
     FLOAT32,
+    KIND_CODE,
     REDUCING,
     ReduceOp,
     engine_types,
@@ -59,6 +60,7 @@ _SLEEP_NS = 5_000_000  # longest single futex sleep: bounds how late an abort is
 _SLICE_NS = 100_000_000  # how long the engine waits before Python checks deadline and peers
 _UINT16 = np.dtype(np.uint16)
 _UINT8 = np.dtype(np.uint8)
+_P2P_KIND = KIND_CODE["p2p"]
 
 
 class _RankPrefix(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -657,14 +659,14 @@ class Communicator:
         """Make every rank's pending and future calls fail with :class:`CommunicatorBrokenError`."""
         if self._closed:
             return
-        engine.raise_abort(self._ctrl, self._state, L.ABORT_USER, -1, int(self._state[engine.S_TAG_SEQ]), 0, 0, 0)
+        engine.raise_abort(self._ctrl, self._state, L.ABORT_USER, -1, int(self._state[engine.S_TAG_SEQ]), 0, 0, 0, 0)
         self._broken = f"rank {self._rank} called abort()" + (f": {reason}" if reason else "")
 
     def _abort_for_error(self, detail: str) -> None:
         """Abort because this rank's own code failed; peers raise at once instead of timing out."""
         if self._closed:
             return
-        engine.raise_abort(self._ctrl, self._state, L.ABORT_ERROR, -1, self._seq(), 0, 0, 0)
+        engine.raise_abort(self._ctrl, self._state, L.ABORT_ERROR, -1, self._seq(), 0, 0, 0, 0)
         self._broken = f"rank {self._rank} failed: {detail}"
 
     def close(self) -> None:
@@ -885,18 +887,25 @@ class Communicator:
                     lost = self._lost_peer()
                     if lost is not None:
                         self._fail_peer_lost(call, *lost)
+                    self._check_awaited_call(call)
                     if time.monotonic() - started > limit:
                         self._fail_timeout(call, limit)
                 elif st == engine.ABORTED:
                     self._fail_aborted(call)
                 elif st == engine.MISMATCH:
-                    self._fail_mismatch(call)
+                    self._fail_mismatch(
+                        call,
+                        int(self._state[engine.S_ERR_PEER]),
+                        int(self._state[engine.S_ERR_SEQ]),
+                        int(self._state[engine.S_ERR_SIG]),
+                        int(self._state[engine.S_ERR_STEP]),
+                    )
                 st = engine.execute(call.prog, inp, res, call.tmp, call.data, self._ctrl, self._state)
         except ShmcollError:
             raise
         except BaseException as exc:  # KeyboardInterrupt mid-call: the call's state is half done
             self._broken = f"rank {self._rank} was interrupted in {call.label} ({type(exc).__name__})"
-            engine.raise_abort(self._ctrl, self._state, L.ABORT_ERROR, -1, self._seq(), call.sig, self._step(), 0)
+            engine.raise_abort(self._ctrl, self._state, L.ABORT_ERROR, -1, self._seq(), call.sig, self._step(), 0, 0)
             raise
 
     def _seq(self) -> int:
@@ -931,11 +940,12 @@ class Communicator:
             "failed": "it failed and left",
         }.get(status, status)
         msg = f"rank {self._rank}: peer rank {peer} was lost during {self._where(call)}: {how}"
-        engine.raise_abort(self._ctrl, self._state, L.ABORT_PEER_LOST, peer, self._seq(), call.sig, self._step(), 0)
+        engine.raise_abort(self._ctrl, self._state, L.ABORT_PEER_LOST, peer, self._seq(), call.sig, self._step(), 0, 0)
         self._broken = msg
         raise PeerLostError(msg, dead_rank=peer)
 
-    def _activity(self, rank: int) -> str:
+    def _activity(self, rank: int, seq: int) -> str:
+        """What ``rank`` is doing, relative to this rank's call number ``seq``."""
         a = self._arena
         if a.rank_field(rank, L.R_PID) == 0:
             return f"rank {rank}: never connected"
@@ -944,34 +954,62 @@ class Communicator:
         done = f"last completed {last} #{a.rank_field(rank, L.R_DONE_SEQ)}"
         if state == L.STATE_IN_CALL:
             cur = ir.describe_sig(a.rank_field(rank, L.R_CUR_SIG), ALGORITHM_NAMES)
-            seq, step = a.rank_field(rank, L.R_CUR_SEQ), a.rank_field(rank, L.R_CUR_STEP)
-            return f"rank {rank}: in {cur} #{seq} (step {step}); {done}"
+            cur_seq, step = a.rank_field(rank, L.R_CUR_SEQ), a.rank_field(rank, L.R_CUR_STEP)
+            where = "arrived" if cur_seq == seq else "not arrived"
+            return f"rank {rank}: {where}, in {cur} #{cur_seq} (step {step}); {done}"
         name = {L.STATE_IDLE: "not in a call", L.STATE_EXITED: "closed", L.STATE_FAILED: "failed"}.get(state, "?")
-        return f"rank {rank}: {name}; {done}"
+        return f"rank {rank}: not arrived ({name}); {done}"
+
+    def _activities(self) -> str:
+        seq = self._seq()
+        return "; ".join(self._activity(r, seq) for r in range(self._world_size) if r != self._rank)
 
     def _fail_timeout(self, call: _Call, limit: float) -> None:
         waited = int(self._state[engine.S_WAIT_PEER])
-        peers = "; ".join(self._activity(r) for r in range(self._world_size) if r != self._rank)
+        peers = self._activities()
         msg = (
             f"rank {self._rank}: {self._where(call)} timed out after {limit:g}s waiting for rank {waited}. "
             f"Peers: {peers}"
         )
-        engine.raise_abort(self._ctrl, self._state, L.ABORT_TIMEOUT, waited, self._seq(), call.sig, self._step(), 0)
+        engine.raise_abort(self._ctrl, self._state, L.ABORT_TIMEOUT, waited, self._seq(), call.sig, self._step(), 0, 0)
         self._broken = msg
         raise CollectiveTimeout(msg)
 
-    def _fail_mismatch(self, call: _Call) -> None:
-        peer = int(self._state[engine.S_ERR_PEER])
-        their_seq = int(self._state[engine.S_ERR_SEQ])
-        their_sig = int(self._state[engine.S_ERR_SIG])
-        step = int(self._state[engine.S_ERR_STEP])
+    def _check_awaited_call(self, call: _Call) -> None:
+        """Mismatch that no message can reveal: both ranks wait to receive (two ranks that each
+        believe they are a reduce's root). Seen in the awaited peer's record: same call number,
+        different call."""
+        if call.kind == "p2p":
+            return  # point-to-point numbers count per channel: not comparable with the record's
+        peer = int(self._state[engine.S_WAIT_PEER])
+        if not 0 <= peer < self._world_size or peer == self._rank:
+            return
+        a = self._arena
+        if a.rank_field(peer, L.R_STATE) != L.STATE_IN_CALL:
+            return
+        their_seq, their_sig = a.rank_field(peer, L.R_CUR_SEQ), a.rank_field(peer, L.R_CUR_SIG)
+        if their_seq == self._seq() and their_sig != call.sig and ir.unpack_sig(their_sig)["kind"] != _P2P_KIND:
+            self._fail_mismatch(call, peer, their_seq, their_sig, self._step())
+
+    def _fail_mismatch(self, call: _Call, peer: int, their_seq: int, their_sig: int, step: int) -> None:
         theirs = ir.describe_sig(their_sig, ALGORITHM_NAMES)
+        mine_seq, mine = self._seq(), call.label
+        if their_seq != mine_seq:
+            # Their message comes from another call number: name our own call of that number if
+            # it was the last one we completed (the usual case: a mismatch only one side saw).
+            done_seq = self._arena.rank_field(self._rank, L.R_DONE_SEQ)
+            if done_seq == their_seq:
+                mine_seq = done_seq
+                mine = ir.describe_sig(self._arena.rank_field(self._rank, L.R_DONE_SIG), ALGORITHM_NAMES)
         msg = (
-            f"rank {self._rank} called {call.label} (call #{self._seq()}, step {step}) but rank {peer} "
-            f"called {theirs} (call #{their_seq}): ranks must call the same collectives, in the same "
-            f"order, with the same sizes, dtypes, ops and roots"
+            f"rank {self._rank} called {mine} (call #{mine_seq}) but rank {peer} called {theirs} "
+            f"(call #{their_seq}); detected in call #{self._seq()} at step {step}: ranks must call the same "
+            f"collectives, in the same order, with the same sizes, dtypes, ops and roots"
         )
-        engine.raise_abort(self._ctrl, self._state, L.ABORT_MISMATCH, peer, their_seq, their_sig, step, 0)
+        mine_sig = call.sig if mine_seq == self._seq() else self._arena.rank_field(self._rank, L.R_DONE_SIG)
+        engine.raise_abort(
+            self._ctrl, self._state, L.ABORT_MISMATCH, peer, their_seq, their_sig, step, mine_sig, mine_seq
+        )
         self._broken = msg
         raise CollectiveMismatchError(msg)
 
@@ -989,16 +1027,15 @@ class Communicator:
             self._broken = msg
             raise PeerLostError(msg, dead_rank=peer)
         if code == L.ABORT_TIMEOUT:
-            msg = f"{where}: {who} timed out waiting for rank {peer}"
+            msg = f"{where}: {who} timed out waiting for rank {peer}. Peers: {self._activities()}"
             self._broken = msg
             raise CollectiveTimeout(msg)
         if code == L.ABORT_MISMATCH:
-            mine = ir.describe_sig(self._arena.rank_field(origin, L.R_CUR_SIG), ALGORITHM_NAMES)
+            mine = ir.describe_sig(info["detail"], ALGORITHM_NAMES)
             theirs = ir.describe_sig(info["sig"], ALGORITHM_NAMES)
             msg = (
-                f"{where}: mismatched collectives: rank {origin} called {mine} "
-                f"(call #{self._arena.rank_field(origin, L.R_CUR_SEQ)}) but rank {peer} called {theirs} "
-                f"(call #{info['seq']})"
+                f"{where}: mismatched collectives: rank {origin} called {mine} (call #{info['own_seq']}) "
+                f"but rank {peer} called {theirs} (call #{info['seq']})"
             )
             self._broken = msg
             raise CollectiveMismatchError(msg)

@@ -181,7 +181,7 @@ class Group:
             return
         state = engine.new_state(self._arena.layout, -1, spin=0, yields=0, sleep_ns=0, slice_ns=0)
         state[engine.S_RANK] = -1
-        engine.raise_abort(self._arena.ctrl, state, code, failed_rank, 0, 0, 0, 0)
+        engine.raise_abort(self._arena.ctrl, state, code, failed_rank, 0, 0, 0, 0, 0)
 
     def rank_record(self, rank: int, field: int) -> int:
         """A field of a rank's record (owner only), for launcher diagnostics."""

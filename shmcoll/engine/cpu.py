@@ -78,6 +78,7 @@ from shmcoll.shm.layout import (
     AB_CODE,
     AB_DETAIL,
     AB_ORIGIN,
+    AB_OWN_SEQ,
     AB_PEER,
     AB_SEQ,
     AB_SIG,
@@ -352,7 +353,7 @@ def execute(prog, inp, out, tmp, data, ctrl, state):  # type: ignore[no-untyped-
 
 
 @jit
-def raise_abort(ctrl, state, code, peer, seq, sig, step, detail):  # type: ignore[no-untyped-def]
+def raise_abort(ctrl, state, code, peer, seq, sig, step, detail, own_seq):  # type: ignore[no-untyped-def]
     """Mark the arena aborted (first caller wins) and wake every sleeper; returns True if first."""
     first = compare_exchange(ctrl, AB_CODE, 0, -1) == 0
     if first:
@@ -362,6 +363,7 @@ def raise_abort(ctrl, state, code, peer, seq, sig, step, detail):  # type: ignor
         ctrl[AB_SIG] = sig
         ctrl[AB_STEP] = step
         ctrl[AB_DETAIL] = detail
+        ctrl[AB_OWN_SEQ] = own_seq
         store_release(ctrl, AB_CODE, code)
     chan_base = state[S_CHAN_BASE]
     for ch in range(state[S_NCHANNELS]):

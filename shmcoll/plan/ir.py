@@ -246,6 +246,10 @@ def describe_sig(sig: int, algorithm_names: tuple[str, ...] = ()) -> str:
         return "no call"
     f = unpack_sig(sig)
     kind = PLAN_KINDS[f["kind"]] if f["kind"] < len(PLAN_KINDS) else f"kind#{f['kind']}"
+    if kind == "barrier":
+        return "barrier()"
+    if kind == "p2p":
+        return f"send/recv(count={f['count']}, {dtype_name(f['dtype'])})"
     parts = [f"count={f['count']}", dtype_name(f["dtype"])]
     if kind in ("reduce", "allreduce", "reduce_scatter"):
         parts.append(ReduceOp(f["op"]).name if f["op"] < len(ReduceOp) else f"op#{f['op']}")

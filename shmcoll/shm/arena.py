@@ -192,4 +192,5 @@ class Arena:
             "sig": self.word(L.AB_SIG),
             "step": self.word(L.AB_STEP),
             "detail": self.word(L.AB_DETAIL),
+            "own_seq": self.word(L.AB_OWN_SEQ),
         }

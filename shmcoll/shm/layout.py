@@ -7,7 +7,7 @@ so a rank polling its own word never steals a line another rank is writing::
     byte 0    +--------------------------------------------------------------------+
               | header     MAGIC VERSION TOKEN WORLD_SIZE NSLOTS SLOT_BYTES TOTAL   |  line 0
               | attach     ATTACHED (fetch_add at connect)  DETACHED                |  line 1
-              | abort      CODE ORIGIN PEER SEQ SIG STEP DETAIL                     |  line 2
+              | abort      CODE ORIGIN PEER SEQ SIG STEP DETAIL OWN_SEQ             |  line 2
     192       +--------------------------------------------------------------------+
               | rank r     PID START STATE CUR_SEQ CUR_SIG CUR_STEP DONE_SEQ DONE_SIG|  1 line
               |            (written only by rank r; read by the others on errors)   |  per rank
@@ -56,7 +56,8 @@ AB_PEER = 18
 AB_SEQ = 19
 AB_SIG = 20
 AB_STEP = 21
-AB_DETAIL = 22
+AB_DETAIL = 22  # mismatch: the origin's own signature for the compared call
+AB_OWN_SEQ = 23  # mismatch: the origin's own number for the compared call
 RANKS_BASE_WORD = 24
 # Rank record fields (offsets within the rank's line).
 R_PID, R_START, R_STATE, R_CUR_SEQ, R_CUR_SIG, R_CUR_STEP, R_DONE_SEQ, R_DONE_SIG = range(8)

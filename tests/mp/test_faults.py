@@ -1,0 +1,181 @@
+"""Dead peers, timeouts, abort and mismatched calls: clear errors on every rank, within seconds."""
+
+from __future__ import annotations
+
+import ast
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import shmcoll
+from shmcoll import CollectiveMismatchError, CollectiveTimeout, CommunicatorBrokenError, PeerLostError
+
+
+def _kill_mid_allreduce(comm, victim):  # type: ignore[no-untyped-def]
+    """Every rank loops on allreduce; the victim SIGKILLs itself in the middle of one."""
+    x = np.ones(1 << 18, np.float32)  # 1 MiB: many pieces, so the victim dies mid-call
+    comm.allreduce(x)
+    comm.barrier()
+    if comm.rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        for _ in range(1000):
+            comm.allreduce(x)
+    except PeerLostError as exc:
+        return ("lost", time.monotonic() - t0, exc.dead_rank, str(exc))
+    return ("no error", time.monotonic() - t0, None, "")
+
+
+def test_sigkill_mid_allreduce_every_survivor_raises_quickly() -> None:
+    with pytest.raises(shmcoll.SpawnError) as info:
+        shmcoll.spawn(_kill_mid_allreduce, nprocs=4, args=(2,), timeout=120)
+    err = info.value
+    # The launcher names the dead rank and the signal...
+    assert err.rank == 2 and err.exitcode == -signal.SIGKILL
+    assert "rank 2 failed: killed by signal SIGKILL" in str(err)
+
+
+def _survivor_report(comm, victim, results_path):  # type: ignore[no-untyped-def]
+    out = _kill_mid_allreduce(comm, victim)
+    with open(f"{results_path}.{comm.rank}", "w") as f:
+        f.write(repr(out))
+    return out
+
+
+def test_survivors_raise_peer_lost_within_two_seconds(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """...and each of the other three raises PeerLostError naming rank 2 in under 2 s."""
+    path = str(tmp_path / "r")
+    with pytest.raises(shmcoll.SpawnError):
+        shmcoll.spawn(_survivor_report, nprocs=4, args=(2, path), timeout=120)
+    for rank in (0, 1, 3):
+        with open(f"{path}.{rank}") as f:
+            kind, elapsed, dead, text = ast.literal_eval(f.read())
+        assert kind == "lost", (rank, kind)
+        assert dead == 2, (rank, text)
+        assert elapsed < 2.0, (rank, elapsed)
+        assert "rank 2" in text and "allreduce" in text and "call #" in text and "step" in text
+
+
+def _dies_between_calls(comm):  # type: ignore[no-untyped-def]
+    comm.barrier()
+    if comm.rank == 1:
+        os._exit(3)
+    time.sleep(0.5)  # rank 1 is gone before anyone calls again
+    t0 = time.monotonic()
+    with pytest.raises(PeerLostError) as info:
+        comm.allreduce(np.ones(10))
+    assert time.monotonic() - t0 < 2.0
+    assert info.value.dead_rank == 1
+    return "ok"
+
+
+def test_peer_exit_between_calls_is_reported_at_the_next_call() -> None:
+    with pytest.raises(shmcoll.SpawnError) as info:
+        shmcoll.spawn(_dies_between_calls, nprocs=3, timeout=120)
+    assert info.value.rank == 1 and info.value.exitcode == 3
+
+
+def _timeout(comm):  # type: ignore[no-untyped-def]
+    if comm.rank == 2:
+        time.sleep(1.5)  # late, but alive: the others give up first
+        with pytest.raises(CollectiveTimeout):  # and this rank learns it at its first call
+            comm.barrier(timeout=30)
+        return None
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveTimeout) as info:
+        comm.allreduce(np.ones(4), timeout=0.5)
+    return time.monotonic() - t0, str(info.value)
+
+
+def test_timeout_names_missing_peers_and_their_activity() -> None:
+    results = shmcoll.spawn(_timeout, nprocs=3, timeout=120)
+    assert results[2] is None
+    for rank in (0, 1):
+        elapsed, msg = results[rank]
+        assert 0.4 < elapsed < 3.0, elapsed
+        assert "timed out" in msg and "waiting for rank 2" in msg
+        assert "rank 2: not arrived (not in a call); last completed" in msg
+
+
+def _abort(comm):  # type: ignore[no-untyped-def]
+    comm.barrier()
+    if comm.rank == 0:
+        time.sleep(0.3)  # the others are blocked in the allreduce by now
+        comm.abort("test")
+        with pytest.raises(CommunicatorBrokenError):
+            comm.barrier()
+        return "aborted"
+    t0 = time.monotonic()
+    with pytest.raises(CommunicatorBrokenError, match="abort"):
+        comm.allreduce(np.ones(8))
+    assert time.monotonic() - t0 < 2.0
+    with pytest.raises(CommunicatorBrokenError):  # and every later call
+        comm.barrier()
+    return "broken"
+
+
+def test_abort_fails_pending_and_future_calls() -> None:
+    assert shmcoll.spawn(_abort, nprocs=3, timeout=120) == ["aborted", "broken", "broken"]
+
+
+def _new_comm_after_failure(comm, group):  # type: ignore[no-untyped-def]
+    comm.abort()
+    with pytest.raises(CommunicatorBrokenError):
+        comm.allreduce(np.ones(2))
+    fresh = group.connect(comm.rank)
+    x = fresh.allreduce(np.ones(2))
+    fresh.close()
+    return x.tolist()
+
+
+def test_a_process_can_start_over_after_a_fatal_error() -> None:
+    with shmcoll.Group(2) as second:
+        assert shmcoll.spawn(_new_comm_after_failure, nprocs=2, args=(second,), timeout=120) == [[2.0, 2.0]] * 2
+
+
+# --- mismatched calls ---------------------------------------------------------------------------
+def _mismatch(comm, kind):  # type: ignore[no-untyped-def]
+    r = comm.rank
+    x = np.ones(16, np.float32)
+    try:
+        if kind == "collective":
+            comm.allreduce(x) if r == 0 else comm.allgather(x)
+        elif kind == "size":
+            comm.allreduce(x if r == 0 else np.ones(17, np.float32))
+        elif kind == "dtype":
+            comm.allreduce(x if r == 0 else np.ones(16, np.float64))
+        elif kind == "op":
+            comm.allreduce(x, op="sum" if r == 0 else "max")
+        elif kind == "root":
+            comm.reduce(x, root=0 if r == 0 else 1)
+        elif kind == "broadcast_root":
+            # Both believe they are the root: both only send, so nothing can be seen during the
+            # call; the stale messages are caught by the next call on every rank.
+            comm.broadcast(x, root=r)
+        comm.barrier()
+    except CollectiveMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["collective", "size", "dtype", "op", "root", "broadcast_root"])
+def test_mismatched_calls_raise_on_every_rank(kind: str) -> None:
+    results = shmcoll.spawn(_mismatch, nprocs=2, args=(kind,), timeout=120)
+    for text in results:
+        assert text != "no error", kind
+        assert "rank 0" in text and "rank 1" in text
+    text = " ".join(results)
+    wants = {
+        "collective": ["allreduce(", "allgather("],
+        "size": ["count=16", "count=17"],
+        "dtype": ["float32", "float64"],
+        "op": ["SUM", "MAX"],
+        "root": ["root=0", "root=1"],
+        "broadcast_root": ["broadcast(", "root=0", "root=1"],
+    }[kind]
+    for w in wants:
+        assert w in text, (kind, w, results)
