@@ -61,6 +61,7 @@ _SLICE_NS = 100_000_000  # how long the engine waits before Python checks deadli
 _UINT16 = np.dtype(np.uint16)
 _UINT8 = np.dtype(np.uint8)
 _P2P_KIND = KIND_CODE["p2p"]
+_MAX_CACHED_CALLS = 512  # plans kept per communicator
 
 
 class _RankPrefix(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -160,7 +161,9 @@ class Communicator:
         self._broken: str | None = None
         self._closed = False
         self._verify = os.environ.get("SHMCOLL_VERIFY", "") == "1"
+        self._mem_total = psutil.virtual_memory().total
         self._log = _RankPrefix(log, {"rank": rank})
+        self._trace = log.isEnabledFor(TRACE)
         arena.register(rank)
         self._log.info(
             "connected: world_size=%d, %d slots of %d bytes per ring, timeout %.1fs",
@@ -304,7 +307,7 @@ class Communicator:
         self._check_read(x, "x")
         shape = (self._world_size, *x.shape)
         if out is None:
-            out = np.empty(shape, dtype=x.dtype)
+            out = self._new_output("allgather", shape, x.dtype)
             inplace = False
         else:
             self._check_out(out, shape, x.dtype)
@@ -335,7 +338,7 @@ class Communicator:
         if at_root:
             shape = (self._world_size, *x.shape)
             if out is None:
-                out = np.empty(shape, dtype=x.dtype)
+                out = self._new_output("gather", shape, x.dtype)
             else:
                 self._check_out(out, shape, x.dtype)
                 inplace = self._is_block_of(x, out, root)
@@ -676,11 +679,31 @@ class Communicator:
         self._closed = True
         self._calls.clear()
         self._scratch.clear()
+        if self._broken is None:
+            self._warn_unreceived()
         self._arena.deregister(self._rank, failed=self._broken is not None)
         if self._arena.segment.owner:
             self._arena.segment.unlink()
+        self._ctrl = np.empty(0, np.int64)  # no view of the arena may outlive it
         self._arena.close()
         self._broken = self._broken or "the communicator is closed"
+
+    def _warn_unreceived(self) -> None:
+        """Messages sent to this rank that it never received point at mismatched calls that no
+        receive got to see (say two ranks that both believed they were a broadcast's root)."""
+        lay = self._arena.layout
+        for peer in range(self._world_size):
+            if peer == self._rank:
+                continue
+            ch = lay.channel(peer, self._rank)
+            waiting = self._arena.word(lay.channel_word(ch, L.C_HEAD)) - int(self._ctrl[lay.channel_word(ch, L.C_TAIL)])
+            if waiting > 0:
+                self._log.warning(
+                    "closing with %d message(s) from rank %d never received: the ranks' calls "
+                    "did not match (e.g. different roots, or an extra send)",
+                    waiting,
+                    peer,
+                )
 
     def __enter__(self) -> Communicator:
         return self
@@ -815,6 +838,11 @@ class Communicator:
         tmp = self._scratch_array("tmp", edt, plan.tmp_count)
         label = ir.describe_sig(sig, ALGORITHM_NAMES)
         call = _Call(prog, edt, self._arena.view(edt), tmp, f16, sig, kind, label, count)
+        if len(self._calls) >= _MAX_CACHED_CALLS:
+            # Call shapes that vary without end (sizes from data) must not grow memory without
+            # end: drop the older half (dicts keep insertion order).
+            for stale in list(self._calls)[: _MAX_CACHED_CALLS // 2]:
+                del self._calls[stale]
         self._calls[key] = call
         self._log.info(
             "%s: algorithm %s, %d piece(s) of %d + tail %d, %d scratch elements",
@@ -830,9 +858,19 @@ class Communicator:
     def _check_size(self, kind: str, count: int, dtype: np.dtype) -> None:
         blocks = self._world_size if kind in ("allgather", "gather", "alltoall", "scatter", "reduce_scatter") else 1
         nbytes = count * blocks * dtype.itemsize
-        total = psutil.virtual_memory().total
-        if nbytes > total:
-            raise ValueError(f"{kind} of {nbytes:,} bytes is larger than this machine's memory ({total:,} bytes)")
+        if nbytes > self._mem_total:
+            raise ValueError(
+                f"{kind} of {nbytes:,} bytes is larger than this machine's memory ({self._mem_total:,} bytes)"
+            )
+
+    def _new_output(self, kind: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes > self._mem_total:
+            raise ValueError(
+                f"{kind}: the result needs {nbytes:,} bytes, more than this machine's memory "
+                f"({self._mem_total:,} bytes)"
+            )
+        return np.empty(shape, dtype=dtype)
 
     def _scratch_array(self, what: str, dtype: np.dtype, count: int) -> np.ndarray:
         key = (what, dtype)
@@ -872,9 +910,13 @@ class Communicator:
                 res = out if out.ndim == 1 else out.reshape(-1)
                 if res.dtype != edt:
                     res = res.view(edt)
+        if self._trace:
+            t0 = time.perf_counter()
         st = engine.execute(call.prog, inp, res, call.tmp, call.data, self._ctrl, self._state)
         if st != engine.OK:
             self._wait_or_raise(st, call, inp, res, timeout)
+        if self._trace:
+            self._log.log(TRACE, "%s #%d took %.1f us", call.label, self._seq(), (time.perf_counter() - t0) * 1e6)
         if call.f16 and out is not None:
             np.copyto(out.reshape(-1), res)
 

@@ -61,11 +61,14 @@ class Segment:
     """One mapped shared-memory segment."""
 
     def __init__(self, name: str, fd: int, size: int, owner: bool) -> None:
+        """Map ``fd`` and close it: the mapping keeps its own duplicate until :meth:`close`."""
         self.name = name
         self.size = size
         self.owner = owner
-        self._fd: int | None = fd
-        self._mm: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            self._mm: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
         self._linked = True
 
     @property
@@ -94,9 +97,13 @@ class Segment:
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
                 os.ftruncate(fd, size)
-            return cls(name, fd, size, owner=True)
         except BaseException:
             os.close(fd)
+            _unlink_path(path)
+            raise
+        try:
+            return cls(name, fd, size, owner=True)
+        except BaseException:
             _unlink_path(path)
             raise
 
@@ -115,10 +122,10 @@ class Segment:
             actual = os.fstat(fd).st_size
             if actual != size:
                 raise ShmcollError(f"segment {name} has {actual} bytes, expected {size}")
-            return cls(name, fd, size, owner=False)
         except BaseException:
             os.close(fd)
             raise
+        return cls(name, fd, size, owner=False)
 
     def array(self, dtype: np.dtype | type = np.uint8) -> np.ndarray:
         """The whole segment as a 1-d numpy array of ``dtype`` (a view, no copy)."""
@@ -132,16 +139,14 @@ class Segment:
             _unlink_path(self.path)
 
     def close(self) -> None:
-        """Unmap and close. Arrays still viewing the segment keep the mapping until collected."""
+        """Unmap. Arrays still viewing the segment keep the mapping (and its descriptor) alive
+        until they are collected: owners drop their views first."""
         if self._mm is not None:
             try:
                 self._mm.close()
             except BufferError:
                 pass  # numpy views still reference it: the mapping lives until they are gone
             self._mm = None
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
 
 def _unlink_path(path: str) -> None:
