@@ -17,6 +17,7 @@ milliseconds), survivors get a grace period to report, then their stacks are dum
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import logging
@@ -396,9 +397,11 @@ def _join(group: Group, procs: list[Any], readers: list[Any], timeout: float | N
             p.join(timeout=5)
         for r in readers:
             r.close()
+    stopped = bool(failures)  # ranks still running then were killed by us: consequences, not causes
     for rank, p in enumerate(procs):
         if rank not in results and not any(f.rank == rank for f in failures) and p.exitcode not in (None, 0):
-            failures.append(_Failure(rank, _describe_exit(p.exitcode), exitcode=p.exitcode))
+            reason = "stopped by the launcher" if stopped else _describe_exit(p.exitcode)
+            failures.append(_Failure(rank, reason, exitcode=p.exitcode, secondary=stopped))
     if failures:
         raise _spawn_error(failures)
     missing = [r for r in range(n) if r not in results]
@@ -429,18 +432,29 @@ def _spawn_error(failures: list[_Failure]) -> SpawnError:
     return err
 
 
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (the SigCgt mask of /proc/pid/status)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool((int(line.split()[1], 16) >> (sig - 1)) & 1)
+    except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
+        pass
+    return False
+
+
 def _dump_and_kill(procs: list[Any]) -> None:
-    """Ask for a stack dump of every live rank (faulthandler), then kill them."""
-    for p in procs:
-        try:
+    """Have every live rank dump its stacks (faulthandler on SIGUSR1), then kill them all.
+
+    Only ranks that already handle SIGUSR1 get it: one still starting up would simply die of it.
+    """
+    dumping = [p for p in procs if _poll_exit(p) is None and _catches(p.pid, signal.SIGUSR1)]
+    for p in dumping:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(p.pid, signal.SIGUSR1)
-        except (ProcessLookupError, TypeError):
-            pass
-    end = time.monotonic() + 1.0
-    while time.monotonic() < end and any(p.exitcode is None for p in procs):
-        time.sleep(0.05)
-        if all(_poll_exit(p) is not None for p in procs):
-            break
+    if dumping:
+        time.sleep(1.0)  # faulthandler writes synchronously, but the rank must get scheduled
     for p in procs:
         if _poll_exit(p) is None:
             p.kill()

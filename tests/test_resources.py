@@ -232,3 +232,56 @@ def _stray_send(comm):  # type: ignore[no-untyped-def]
     time.sleep(0.5)  # let it land
     comm.close()
     return sum("never received" in m for m in seen)
+
+
+DEBUG_JOB = textwrap.dedent("""
+    import numpy as np
+    import shmcoll
+    comm = shmcoll.init()
+    comm.allreduce(np.ones(10, np.float32))
+    comm.broadcast(np.ones(3), root=1)
+""")
+
+
+def test_debug_logs_are_rank_prefixed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    script = tmp_path / "job.py"
+    script.write_text(DEBUG_JOB)
+    env = dict(os.environ, SHMCOLL_DEBUG="TRACE")
+    proc = subprocess.run(
+        [sys.executable, "-m", "shmcoll.cli", "run", "-n", "2", str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    for rank in (0, 1):
+        assert any(f"[rank {rank}]" in ln and "algorithm direct" in ln and "allreduce(count=10" in ln for ln in lines)
+        assert any(f"[rank {rank}]" in ln and "TRACE" in ln and "took" in ln for ln in lines)
+
+
+HANG = textwrap.dedent("""
+    import time
+    import numpy as np
+    import shmcoll
+
+    def stuck(comm):
+        if comm.rank == 0:
+            time.sleep(60)  # never joins: rank 1 waits in the allreduce
+        comm.allreduce(np.ones(4))
+
+    if __name__ == "__main__":
+        shmcoll.spawn(stuck, nprocs=2, timeout=15, comm_timeout=120)
+""")
+
+
+def test_launcher_deadline_dumps_every_ranks_stack(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    script = tmp_path / "hang.py"
+    script.write_text(HANG)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "timed out after 15" in proc.stderr
+    # faulthandler's dump of each rank: rank 0 in time.sleep, rank 1 inside the allreduce.
+    assert proc.stderr.count("Current thread") + proc.stderr.count("Thread 0x") >= 2, proc.stderr[-3000:]
+    assert "in stuck" in proc.stderr and "allreduce" in proc.stderr

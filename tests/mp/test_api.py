@@ -10,6 +10,7 @@ import textwrap
 import time
 
 import numpy as np
+import psutil
 import pytest
 
 import shmcoll
@@ -260,6 +261,14 @@ def _bad_inputs(comm):  # type: ignore[no-untyped-def]
     for fn, exc, pattern in checks:
         with pytest.raises(exc, match=pattern):
             fn()
+    try:  # larger than the machine: refused before allocating anything (virtual memory only here)
+        huge = np.empty(psutil.virtual_memory().total // 2 + 1, np.uint8)
+    except MemoryError:
+        huge = None
+    if huge is not None and n > 1:
+        with pytest.raises(ValueError, match="memory"):
+            comm.allgather(huge)
+        del huge
     # None of that communicated: the communicator still works, and reading a read-only input
     # where the call only reads it is fine.
     out = comm.allreduce(ro, out=np.empty_like(ro))
