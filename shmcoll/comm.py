@@ -12,10 +12,12 @@ instead of waiting for their own timeouts.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import pickle
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,12 +35,15 @@ from shmcoll.errors import (
     CommunicatorBrokenError,
     PeerLostError,
     ShmcollError,
+    UnsupportedError,
 )
 from shmcoll.plan import ir
 from shmcoll.plan.passes import segment
 from shmcoll.plan.verify import verify
 from shmcoll.shm import layout as L
 from shmcoll.shm.arena import Arena, ArenaHandle
+from shmcoll.shm.registered import Allocation, SharedArray, region_bytes
+from shmcoll.shm.segment import Segment, segment_name
 from shmcoll.types import (
     BOOL,
     DTYPE_CODE,
@@ -61,6 +66,8 @@ _SLICE_NS = 100_000_000  # how long the engine waits before Python checks deadli
 _UINT16 = np.dtype(np.uint16)
 _UINT8 = np.dtype(np.uint8)
 _P2P_KIND = KIND_CODE["p2p"]
+_NOT_ZERO_COPY = frozenset({"scatter", "send", "recv"})
+_ALLOCATIONS = itertools.count()  # segment names of alloc() calls, unique in this process
 _MAX_CACHED_CALLS = 512  # plans kept per communicator
 
 
@@ -96,10 +103,27 @@ def _not_array(name: str, value: object) -> TypeError:
     return TypeError(f"{name} must be a numpy.ndarray, got {type(value).__name__}")
 
 
+class _Placement:
+    """Where a zero-copy call's buffers sit: allocations and byte offsets in this rank's region."""
+
+    __slots__ = ("a_in", "shift_in", "a_out", "shift_out", "tag")
+
+    def __init__(
+        self, a_in: Allocation, shift_in: int, a_out: Allocation | None, shift_out: int, out_read: bool
+    ) -> None:
+        self.a_in, self.shift_in, self.a_out, self.shift_out = a_in, shift_in, a_out, shift_out
+        # Every message of the call carries this tag of where the buffers that *peers read* sit
+        # (the output too, where peers read it: allreduce); a peer whose sit elsewhere mismatches.
+        tag = (a_in.ident & 0xFFFF, shift_in)
+        if out_read:
+            tag += (a_in.ident & 0xFFFF, shift_in) if a_out is None else (a_out.ident & 0xFFFF, shift_out)
+        self.tag = hash(tag) & 0x7FFF_FFFF_FFFF_FFFF
+
+
 class _Call:
     """Everything the hot path needs for one call shape, built once and cached."""
 
-    __slots__ = ("prog", "edt", "data", "tmp", "f16", "sig", "kind", "label", "dummy", "count")
+    __slots__ = ("prog", "edt", "data", "tmp", "f16", "sig", "kind", "label", "dummy", "count", "registered")
 
     def __init__(
         self,
@@ -123,6 +147,7 @@ class _Call:
         self.label = label
         self.dummy = np.empty(0, dtype=edt)
         self.count = count
+        self.registered = False
 
 
 class Communicator:
@@ -157,6 +182,11 @@ class Communicator:
             slice_ns=_SLICE_NS,
         )
         self._calls: dict[tuple[Any, ...], _Call] = {}
+        # Allocations live as long as some array views them (each SharedArray holds its own):
+        # dropping the arrays releases the memory, with no collective call needed.
+        self._allocations: weakref.WeakSet[Allocation] = weakref.WeakSet()
+        self._registration: _Placement | None = None  # set only for the duration of a zero-copy call
+        self._allocation_ids = itertools.count()  # the same on every rank: alloc is collective
         self._scratch: dict[tuple[str, np.dtype], np.ndarray] = {}
         self._broken: str | None = None
         self._closed = False
@@ -519,6 +549,136 @@ class Communicator:
         head = self._arena.word(lay.channel_word(ch, L.C_HEAD))
         return head > int(self._ctrl[lay.channel_word(ch, L.C_TAIL)])
 
+    # --- registered buffers ---------------------------------------------------------------------
+    def alloc(
+        self, shape: int | Sequence[int], dtype: Any = np.float64, *, timeout: float | None = None
+    ) -> SharedArray:
+        """A zero-filled array in shared memory that every rank maps (collective).
+
+        Every rank must call it with the same shape and dtype, in the same order. Collectives on
+        such arrays read the peers' data in place (algorithm ``zerocopy``) when every rank passes
+        its array from the same allocation, at the same place (``comm.allreduce(buf)`` with
+        ``buf = comm.alloc(...)`` on every rank). The memory is released once no array views it
+        any longer on any rank (or when the communicator closes).
+        """
+        self._check_usable()
+        dims = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
+        dt = np.dtype(dtype)
+        if any(d < 0 for d in dims):
+            raise ValueError(f"alloc: negative dimension in shape {dims}")
+        if dt not in DTYPE_CODE:
+            raise TypeError(f"alloc: unsupported dtype {dt}")
+        nbytes = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
+        rb = region_bytes(nbytes)
+        if rb * self._world_size > self._mem_total:
+            raise ValueError(f"alloc: {rb * self._world_size:,} bytes of shared memory is more than this machine has")
+        asked = self.allgather_object((dims, dt.str), timeout=timeout)
+        if any(a != asked[self._rank] for a in asked):
+            raise ValueError(f"alloc must get the same shape and dtype on every rank; got {asked}")
+        offer: Any = None
+        segment = None
+        if self._rank == 0:
+            try:
+                name = segment_name(self._arena.handle.token, f"buf{next(_ALLOCATIONS)}")
+                segment = Segment.create(name, rb * self._world_size, what_for=f"alloc({dims}, {dt})")
+                offer = name
+            except ShmcollError as exc:
+                offer = ("error", str(exc))
+        offer = self.broadcast_object(offer, timeout=timeout)
+        if isinstance(offer, tuple):
+            raise ShmcollError(f"alloc: rank 0 could not create the shared memory: {offer[1]}")
+        try:
+            if segment is None:
+                segment = Segment.attach(offer, rb * self._world_size)
+        finally:
+            self.barrier(timeout=timeout)  # everyone has mapped it (or failed) before it is unlinked
+            if self._rank == 0 and segment is not None:
+                segment.unlink()
+        allocation = Allocation(next(self._allocation_ids), segment, self._world_size, rb)
+        self._allocations.add(allocation)
+        return allocation.region(self._rank, dims, dt)
+
+    def _call_registered(self, name: str, x: Any, **kwargs: Any) -> Any:
+        """A call on arrays from :meth:`alloc`: zero-copy where possible, else the usual path."""
+        out = kwargs.get("out")
+        plain_x = x.view(np.ndarray) if isinstance(x, SharedArray) else x
+        if out is x:
+            plain_out = plain_x  # in place stays in place
+        else:
+            plain_out = out.view(np.ndarray) if isinstance(out, SharedArray) else out
+        args = dict(kwargs)
+        if "out" in kwargs:
+            args["out"] = plain_out
+        algorithm = kwargs.get("algorithm", "auto")
+        placement = self._placement(name, x, out) if algorithm in ("auto", "zerocopy") else "not asked for"
+        if isinstance(placement, str):
+            if algorithm == "zerocopy":
+                raise UnsupportedError(f"{name}: algorithm 'zerocopy' cannot serve this call: {placement}")
+            result = getattr(self, name)(plain_x, **args)
+        else:
+            args["algorithm"] = "zerocopy"
+            self._registration = placement
+            self._state[engine.S_PLACE] = placement.tag
+            try:
+                result = getattr(self, name)(plain_x, **args)
+            finally:
+                self._registration = None
+                self._state[engine.S_PLACE] = 0
+        if result is plain_x and plain_x is not x:
+            return x
+        if result is plain_out and plain_out is not out:
+            return out
+        return result
+
+    def _placement(self, name: str, x: Any, out: Any) -> _Placement | str:
+        """Where this call's registered buffers are, or why the call cannot go zero-copy."""
+        if name in _NOT_ZERO_COPY:
+            return f"{name} has no zero-copy form"
+        if not isinstance(x, SharedArray) or x._allocation not in self._allocations:
+            return "this rank's buffer is not from comm.alloc on this communicator"
+        if name in REDUCING and x.dtype == FLOAT16:
+            return "float16 reduces through float32 scratch, which peers cannot read"
+        a_in = x._allocation
+        shift_in = a_in.placement(x, self._rank) if a_in is not None else None
+        if shift_in is None or not x.flags.c_contiguous:
+            return "the buffer is not a contiguous part of its allocation"
+        a_out, shift_out = None, 0
+        if isinstance(out, SharedArray) and out._allocation in self._allocations and out.flags.c_contiguous:
+            a_out = out._allocation
+            shift_out = a_out.placement(out, self._rank) if a_out is not None else None
+            if shift_out is None:
+                a_out, shift_out = None, 0
+        if name == "allreduce" and not (out is None or out is x or a_out is not None):
+            return "peers read each other's allreduce output: out must be from comm.alloc too, or x itself"
+        if name in ("allgather", "gather") and out is not None and np.may_share_memory(x, out):
+            return "in place, x = out[rank] sits at a different place on every rank"
+        return _Placement(a_in, shift_in, a_out, shift_out or 0, out_read=name == "allreduce")
+
+    def _registered_buffers(self, call: _Call, x: Any, out: Any) -> tuple[np.ndarray, np.ndarray]:
+        """The arrays and placement a zero-copy call gives the engine: whole allocations, with
+        this call's offsets in the engine state."""
+        reg = self._registration
+        assert reg is not None, "a zero-copy plan ran outside a registered call"
+        item = call.edt.itemsize
+        st = self._state
+        inp = reg.a_in.view(call.edt)
+        st[engine.S_IN_SHIFT] = reg.shift_in // item
+        st[engine.S_IN_STRIDE] = reg.a_in.region_bytes // item
+        out_alloc, out_shift = (reg.a_in, reg.shift_in) if out is x else (reg.a_out, reg.shift_out)
+        if out is None:
+            res = call.dummy
+            st[engine.S_OUT_SHIFT] = st[engine.S_OUT_STRIDE] = 0
+        elif out_alloc is not None:
+            res = out_alloc.view(call.edt)
+            st[engine.S_OUT_SHIFT] = out_shift // item
+            st[engine.S_OUT_STRIDE] = out_alloc.region_bytes // item
+        else:  # a plain local output, which only this rank writes and reads
+            res = out if out.ndim == 1 else out.reshape(-1)
+            if res.dtype != call.edt:
+                res = res.view(call.edt)
+            st[engine.S_OUT_SHIFT] = st[engine.S_OUT_STRIDE] = 0
+        return inp, res
+
     # --- object collectives -------------------------------------------------------------------
     def broadcast_object(self, obj: Any, root: int = 0, *, timeout: float | None = None) -> Any:
         """Root's picklable ``obj`` on every rank (root gets its own object back)."""
@@ -685,6 +845,8 @@ class Communicator:
         if self._arena.segment.owner:
             self._arena.segment.unlink()
         self._ctrl = np.empty(0, np.int64)  # no view of the arena may outlive it
+        for allocation in list(self._allocations):
+            allocation.close()
         self._arena.close()
         self._broken = self._broken or "the communicator is closed"
 
@@ -713,9 +875,12 @@ class Communicator:
 
     # --- arrays that are not numpy arrays ------------------------------------------------------
     def _foreign(self, name: str, x: Any, **kwargs: Any) -> Any:
-        """A call whose array is not a numpy array: GPU arrays go to :mod:`shmcoll.device`
-        (anything with ``__cuda_array_interface__``); everything else is a TypeError."""
+        """A call whose array is not a plain numpy array: arrays from :meth:`alloc` may go zero-copy,
+        GPU arrays go to :mod:`shmcoll.device` (anything with ``__cuda_array_interface__``);
+        anything else is a TypeError."""
         probe = kwargs.get("out") if x is None else x
+        if isinstance(probe, SharedArray):
+            return self._call_registered(name, x, **kwargs)
         if hasattr(probe, "__cuda_array_interface__"):
             from shmcoll import device
 
@@ -738,7 +903,7 @@ class Communicator:
 
     @staticmethod
     def _check_out(out: Any, shape: tuple[int, ...], dtype: np.dtype) -> None:
-        if type(out) is not np.ndarray:
+        if not isinstance(out, np.ndarray):
             raise _not_array("out", out)
         if out.shape != shape:
             raise ValueError(f"out has shape {out.shape}, expected {shape}")
@@ -816,7 +981,8 @@ class Communicator:
         self._check_size(kind, count, dtype)
         if f16:
             inplace = False  # float16 runs through float32 scratch, never the user's buffers
-        query = Query(kind, self._world_size, count, edt.itemsize, root=root, inplace=inplace)
+        registered = self._registration is not None
+        query = Query(kind, self._world_size, count, edt.itemsize, root=root, inplace=inplace, registered=registered)
         if kind in ("barrier", "p2p"):
             alg = registry.get(kind, "direct")
         else:
@@ -834,10 +1000,12 @@ class Communicator:
                 peer=peer,
             )
         sig = ir.pack_sig(kind, alg.code, dtype, int(rop), root if kind != "p2p" else 0, count)
-        prog = ir.encode(plan, self._rank, self._arena.layout.channel, int(eop), sig, p2p_peer, p2p_send)
+        zero_copy = alg.name == "zerocopy"
+        prog = ir.encode(plan, self._rank, self._arena.layout.channel, int(eop), sig, p2p_peer, p2p_send, zero_copy)
         tmp = self._scratch_array("tmp", edt, plan.tmp_count)
         label = ir.describe_sig(sig, ALGORITHM_NAMES)
         call = _Call(prog, edt, self._arena.view(edt), tmp, f16, sig, kind, label, count)
+        call.registered = zero_copy
         if len(self._calls) >= _MAX_CACHED_CALLS:
             # Call shapes that vary without end (sizes from data) must not grow memory without
             # end: drop the older half (dicts keep insertion order).
@@ -888,7 +1056,9 @@ class Communicator:
         if self._broken is not None:
             self._check_usable()
         edt = call.edt
-        if call.f16:
+        if call.registered:
+            inp, res = self._registered_buffers(call, x, out)
+        elif call.f16:
             inp = self._scratch_array("f16in", FLOAT32, x.size)[: x.size]  # type: ignore[union-attr]
             np.copyto(inp, x.reshape(-1))  # type: ignore[union-attr]
             res = self._scratch_array("f16out", FLOAT32, out.size)[: out.size] if out is not None else call.dummy
@@ -935,6 +1105,12 @@ class Communicator:
                 elif st == engine.ABORTED:
                     self._fail_aborted(call)
                 elif st == engine.MISMATCH:
+                    if (
+                        int(self._state[engine.S_ERR_SIG]) == call.sig
+                        and int(self._state[engine.S_ERR_SEQ]) == self._seq()
+                        and int(self._state[engine.S_ERR_PLACE]) != int(self._state[engine.S_PLACE])
+                    ):
+                        self._fail_placement(call)
                     self._fail_mismatch(
                         call,
                         int(self._state[engine.S_ERR_PEER]),
@@ -1032,6 +1208,19 @@ class Communicator:
         their_seq, their_sig = a.rank_field(peer, L.R_CUR_SEQ), a.rank_field(peer, L.R_CUR_SIG)
         if their_seq == self._seq() and their_sig != call.sig and ir.unpack_sig(their_sig)["kind"] != _P2P_KIND:
             self._fail_mismatch(call, peer, their_seq, their_sig, self._step())
+
+    def _fail_placement(self, call: _Call) -> None:
+        peer = int(self._state[engine.S_ERR_PEER])
+        msg = (
+            f"rank {self._rank}: {call.label} (call #{self._seq()}): rank {peer} passed its buffer from another "
+            f"place (another comm.alloc allocation, or another offset in it) than this rank did: zero-copy "
+            f"collectives read each peer's buffer at the same place as their own"
+        )
+        engine.raise_abort(
+            self._ctrl, self._state, L.ABORT_MISMATCH, peer, self._seq(), call.sig, self._step(), call.sig, self._seq()
+        )
+        self._broken = msg
+        raise CollectiveMismatchError(msg)
 
     def _fail_mismatch(self, call: _Call, peer: int, their_seq: int, their_sig: int, step: int) -> None:
         theirs = ir.describe_sig(their_sig, ALGORITHM_NAMES)

@@ -40,6 +40,7 @@ class Case:
     data: str  # "int" (exact), "float" (tolerance), "nan", "wrap"
     case_id: int
     shape2d: bool = False
+    registered: bool = False  # buffers from comm.alloc (every rank allocates the same way)
 
     def describe(self) -> str:
         op = f" {ReduceOp(self.op).name}" if self.kind in REDUCING else ""
@@ -48,6 +49,20 @@ class Case:
             f"{self.kind}/{self.algorithm} {self.dtype}{op}{root} count={self.count}"
             f"{' in-place' if self.inplace else ''} data={self.data} [seed {SEED}, case {self.case_id}]"
         )
+
+
+def make_case(**kw: Any) -> Case:
+    """A case, with buffers registered (comm.alloc) for the zerocopy algorithm, which needs them.
+    In-place allgather/gather have no zero-copy form (x = out[rank] sits at another place on
+    every rank), so zerocopy cases of those are out of place."""
+    if kw["algorithm"] == "zerocopy":
+        if kw["kind"] in REDUCING and kw["dtype"] == "float16":
+            kw["algorithm"] = "direct"  # float16 reduces through scratch: no zero-copy form
+        else:
+            kw["registered"] = True
+            if kw["kind"] in ("allgather", "gather"):
+                kw["inplace"] = False
+    return Case(**kw)
 
 
 def counts_for(world_size: int, slot_count: int) -> list[int]:
@@ -153,31 +168,49 @@ def call(comm: Any, case: Case, x: np.ndarray) -> np.ndarray | None:
     n, r, c = comm.world_size, comm.rank, case.count
     kw = {"algorithm": case.algorithm}
     k = case.kind
+    if case.registered:
+        # comm.alloc is collective: every rank allocates the same buffers in the same order.
+        def new(shape: Any, dtype: np.dtype) -> np.ndarray:
+            return comm.alloc(shape, dtype)
+    else:
+        new = np.empty
+
+    def put(a: np.ndarray) -> np.ndarray:
+        if not case.registered:
+            return a
+        b = comm.alloc(a.shape, a.dtype)
+        b[...] = a
+        return b
+
     if k == "allreduce":
-        x = x.reshape(-1, 2) if case.shape2d else x
+        x = put(x.reshape(-1, 2) if case.shape2d else x)
         if case.inplace:
             return comm.allreduce(x, case.op, **kw).reshape(-1)
-        return comm.allreduce(x, case.op, out=np.empty_like(x), **kw).reshape(-1)
+        return comm.allreduce(x, case.op, out=new(x.shape, x.dtype), **kw).reshape(-1)
     if k == "broadcast":
+        x = put(x)
         if case.inplace:
             return comm.broadcast(x, root=case.root, **kw)
-        return comm.broadcast(x, root=case.root, out=np.empty_like(x), **kw)
+        return comm.broadcast(x, root=case.root, out=new(x.shape, x.dtype), **kw)
     if k == "reduce":
+        x = put(x)
         if case.inplace and r == case.root:
             return comm.reduce(x, root=case.root, op=case.op, out=x, **kw)
         return comm.reduce(x, root=case.root, op=case.op, **kw)
     if k == "allgather":
         if case.inplace:
-            out = np.empty((n, c), x.dtype)
+            out = new((n, c), x.dtype)
             out[r] = x
             return comm.allgather(out[r], out=out, **kw)
-        return comm.allgather(x, **kw)
+        return comm.allgather(put(x), **kw)
     if k == "gather":
-        if case.inplace and r == case.root:
-            out = np.empty((n, c), x.dtype)
+        if case.inplace:
+            out = new((n, c), x.dtype)
             out[r] = x
-            return comm.gather(out[r], root=case.root, out=out, **kw)
-        return comm.gather(x, root=case.root, **kw)
+            if r == case.root:
+                return comm.gather(out[r], root=case.root, out=out, **kw)
+            return comm.gather(out[r], root=case.root, **kw)
+        return comm.gather(put(x), root=case.root, **kw)
     if k == "scatter":
         if r == case.root:
             full = x.reshape(n, c)
@@ -186,11 +219,12 @@ def call(comm: Any, case: Case, x: np.ndarray) -> np.ndarray | None:
             return comm.scatter(full, root=case.root, **kw)
         return comm.scatter(None, root=case.root, out=np.empty(c, x.dtype), **kw)
     if k == "reduce_scatter":
+        x = put(x)
         if case.inplace:
             return comm.reduce_scatter(x, case.op, out=x[r * c : (r + 1) * c], **kw).copy()
         return comm.reduce_scatter(x, case.op, **kw)
     if k == "alltoall":
-        full = x.reshape(n, c)
+        full = put(x.reshape(n, c))
         if case.inplace:
             return comm.alltoall(full, out=full, **kw)
         return comm.alltoall(full, **kw)
@@ -239,7 +273,7 @@ def matrix(
 
     def add(**kw: Any) -> None:
         nonlocal cid
-        cases.append(Case(case_id=cid, **kw))
+        cases.append(make_case(case_id=cid, **kw))
         cid += 1
 
     for kind in kinds:

@@ -21,6 +21,7 @@ ALGORITHM_NAMES: tuple[str, ...] = (
     "hierarchical",
     "ps",
     "pairwise",
+    "zerocopy",
 )
 
 
@@ -34,6 +35,7 @@ class Query:
     itemsize: int
     root: int = 0
     inplace: bool = False
+    registered: bool = False  # this rank's shared buffers come from comm.alloc
 
     @property
     def nbytes(self) -> int:

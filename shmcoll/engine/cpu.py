@@ -53,6 +53,7 @@ from shmcoll.plan.ir import (
     HD_P2P_PEER,
     HD_P2P_SEND,
     HD_PIECE,
+    HD_REGISTERED,
     HD_REPS,
     HD_SIG,
     RECV,
@@ -133,7 +134,13 @@ MISMATCH = 3
     S_ERR_SEQ,
     S_ERR_SIG,
     S_ERR_STEP,
-) = range(25)
+    S_IN_SHIFT,
+    S_IN_STRIDE,
+    S_OUT_SHIFT,
+    S_OUT_STRIDE,
+    S_PLACE,
+    S_ERR_PLACE,
+) = range(31)
 S_P2P_BASE = 32  # then world_size send counters, then world_size receive counters
 
 
@@ -192,11 +199,30 @@ def _publish(ctrl, word, value, waiters):  # type: ignore[no-untyped-def]
 
 @jit
 def _pick(which, inp, out, tmp):  # type: ignore[no-untyped-def]
-    if which == _IN:
+    kind = which & 3
+    if kind == _IN:
         return inp
-    if which == _OUT:
+    if kind == _OUT:
         return out
     return tmp
+
+
+@jit
+def _offset(prog, state, which, off, base):  # type: ignore[no-untyped-def]
+    """Element offset of a region in the array the engine was given for its buffer kind."""
+    kind = which & 3
+    if kind == _TMP:
+        return off  # scratch is per rank and reused by every piece
+    if prog[0, HD_REGISTERED] == 0:
+        return off + base
+    # Registered buffers: the engine got the whole allocation (every rank's region); place the
+    # region in its owner's one.
+    owner = (which >> 2) - 1
+    if owner < 0:
+        owner = state[S_RANK]
+    if kind == _IN:
+        return off + base + state[S_IN_SHIFT] + owner * state[S_IN_STRIDE]
+    return off + base + state[S_OUT_SHIFT] + owner * state[S_OUT_STRIDE]
 
 
 @jit
@@ -224,10 +250,11 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
             return st
         slot_byte = state[S_SLOTS_BASE] + ch * state[S_RING_BYTES] + (tail % nslots) * state[S_SLOT_STRIDE]
         hdr = slot_byte // 8
-        if ctrl[hdr] != tag_seq or ctrl[hdr + 1] != sig:
+        if ctrl[hdr] != tag_seq or ctrl[hdr + 1] != sig or ctrl[hdr + 2] != state[S_PLACE]:
             state[S_ERR_PEER] = prog[row, C_PEER_IN]
             state[S_ERR_SEQ] = ctrl[hdr]
             state[S_ERR_SIG] = ctrl[hdr + 1]
+            state[S_ERR_PLACE] = ctrl[hdr + 2]
             state[S_ERR_STEP] = row
             return MISMATCH
         in_off = (slot_byte + SLOT_HEADER_BYTES) // item
@@ -251,14 +278,14 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
         store = (flags & STORE) != 0
         d_which = prog[row, C_D_BUF]
         dst = _pick(d_which, inp, out, tmp)
-        doff = prog[row, C_D_OFF] + (base if d_which != _TMP else 0)
+        doff = _offset(prog, state, d_which, prog[row, C_D_OFF], base)
         a_which = prog[row, C_A_BUF]
         x = _pick(a_which, inp, out, tmp)
-        xoff = prog[row, C_A_OFF] + (base if a_which != _TMP else 0)
+        xoff = _offset(prog, state, a_which, prog[row, C_A_OFF], base)
         if (flags & REDUCE) != 0:
             b_which = prog[row, C_B_BUF]
             y = _pick(b_which, inp, out, tmp)
-            yoff = prog[row, C_B_OFF] + (base if b_which != _TMP else 0)
+            yoff = _offset(prog, state, b_which, prog[row, C_B_OFF], base)
             if recv:
                 if (flags & RECV_LEFT) != 0:
                     x = data
@@ -284,6 +311,7 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
     if send:
         ctrl[out_hdr] = tag_seq
         ctrl[out_hdr + 1] = sig
+        ctrl[out_hdr + 2] = state[S_PLACE]
         cw = chan_base + prog[row, C_CH_OUT] * CHANNEL_WORDS
         _publish(ctrl, head_word, head + 1, cw + C_HEAD_WAITERS)
     if recv:

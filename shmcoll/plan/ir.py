@@ -30,6 +30,15 @@ A step is one general transfer instruction, so that the engine stays a short loo
 
 Regions name a buffer (IN, OUT, TMP) and an element offset. IN/OUT offsets are relative to the
 current piece (the engine adds the piece's base); TMP offsets are not (pieces reuse TMP).
+
+A region may name **another rank's** IN or OUT (``Region(Buf.IN, off, rank=p)``): with
+registered buffers (``comm.alloc``) every rank maps every rank's buffer, and zero-copy plans read
+peers' data in place instead of receiving it through slots. Steps only ever *write* the rank's
+own buffers. The encoding packs the owner into the buffer code (``buf + 4 (owner + 1)``, owner
+-1 for the rank itself). Such a plan is marked registered in its header, and the engine then
+places IN and OUT regions with the call's shifts and strides from its state: where the call's
+buffer starts within each rank's region, and the distance between two ranks' regions. One plan
+thus serves any registered buffers of the same shape.
 """
 
 from __future__ import annotations
@@ -84,7 +93,8 @@ NCOLS = 12
     HD_KIND,
     HD_P2P_PEER,
     HD_P2P_SEND,
-) = range(9)
+    HD_REGISTERED,
+) = range(10)
 
 NO_PEER = -1
 NO_BUF = -1
@@ -94,9 +104,16 @@ NO_BUF = -1
 class Region:
     buf: Buf
     off: int
+    rank: int | None = None  # owner: None for this rank's own buffer
 
     def __str__(self) -> str:
-        return f"{self.buf.name}[{self.off}]"
+        owner = "" if self.rank is None else f"@{self.rank}"
+        return f"{self.buf.name}{owner}[{self.off}]"
+
+    @property
+    def code(self) -> int:
+        """The buffer code in an encoded step: kind plus 4 x (owner + 1)."""
+        return int(self.buf) + 4 * (0 if self.rank is None else self.rank + 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +147,8 @@ class Step:
                 raise ValueError("a step that sends or stores local data needs region a")
         if self.recv is None and self.send is None and self.dst is None:
             raise ValueError("a step must receive, send or store")
+        if self.dst is not None and self.dst.rank is not None:
+            raise ValueError("a step may only write its own rank's buffers")
 
     @property
     def flags(self) -> int:
@@ -274,7 +293,7 @@ def _encode_steps(steps: Program, rank: int, channel: object) -> np.ndarray:
             rows[i, C_CH_OUT] = channel(rank, s.send)  # type: ignore[operator]
         for col_buf, col_off, region in ((C_A_BUF, C_A_OFF, s.a), (C_B_BUF, C_B_OFF, s.b), (C_D_BUF, C_D_OFF, s.dst)):
             if region is not None:
-                rows[i, col_buf] = int(region.buf)
+                rows[i, col_buf] = region.code
                 rows[i, col_off] = region.off
             else:
                 rows[i, col_off] = 0
@@ -290,10 +309,13 @@ def encode(
     sig: int,
     p2p_peer: int = NO_PEER,
     p2p_send: bool = False,
+    registered: bool = False,
 ) -> np.ndarray:
     """One rank's program as an int64 table: a header row, the body rows, then the tail rows.
 
     ``channel(src, dst)`` maps a rank pair to its channel index (``Layout.channel``).
+    ``registered`` marks a plan over buffers from ``comm.alloc``, whose placement the engine
+    takes from its state at each call (see the module docstring).
     """
     body = _encode_steps(plan.body.programs[rank], rank, channel) if plan.body else np.empty((0, NCOLS), np.int64)
     tail = _encode_steps(plan.tail.programs[rank], rank, channel)
@@ -307,5 +329,6 @@ def encode(
     header[0, HD_KIND] = KIND_CODE[plan.tail.kind]
     header[0, HD_P2P_PEER] = p2p_peer
     header[0, HD_P2P_SEND] = int(p2p_send)
+    header[0, HD_REGISTERED] = int(registered)
     table = np.concatenate([header, body, tail])
     return np.ascontiguousarray(table)

@@ -13,7 +13,8 @@ message is left over; the collective's postcondition on every rank that has an o
 reduced element is a combination of each rank's contribution exactly once, divided once; and
 every rank holding an element of an allreduce holds the *same expression* for it, operand order
 included, so results are bitwise identical across ranks. A barrier must leave every rank having
-heard, directly or transitively, from every other.
+heard, directly or transitively, from every other. Plans that read peers' buffers in place
+(registered buffers) are also checked for races with vector clocks (see :class:`_Clocks`).
 """
 
 from __future__ import annotations
@@ -61,23 +62,62 @@ class _Rank:
         self.bufs[Buf.TMP] = ([None] * tmp, 0)
         self.heard = {rank}
 
-    def read(self, region: Region, base: int, count: int) -> list[Value]:
+    def locate(self, region: Region, base: int, count: int) -> tuple[list[Value], int]:
         storage, off = self.bufs[region.buf]
         start = off + region.off + (base if region.buf != Buf.TMP else 0)
         if start < 0 or start + count > len(storage):
             raise IndexError(f"{region} + base {base} x {count} outside {region.buf.name} of {len(storage) - off}")
-        return storage[start : start + count]
-
-    def write(self, region: Region, base: int, values: list[Value]) -> None:
-        storage, off = self.bufs[region.buf]
-        start = off + region.off + (base if region.buf != Buf.TMP else 0)
-        if start < 0 or start + len(values) > len(storage):
-            raise IndexError(f"{region} + base {base} x {len(values)} outside {region.buf.name}")
-        storage[start : start + len(values)] = values
+        return storage, start
 
     def out(self) -> list[Value]:
         storage, off = self.bufs[Buf.OUT]
         return storage[off:]
+
+
+class _Clocks:
+    """Vector clocks and per-element access records: the race check for remote reads.
+
+    A rank's clock ticks at every step; a message carries its sender's clock and the receiver
+    takes the element-wise maximum. Reading element ``e`` of rank ``p``'s buffer from rank ``q``
+    is safe only if ``p``'s last write of ``e`` happened before (``q``'s clock has seen it); the
+    user's data counts as written when ``p`` enters the call (its first step), since before that
+    ``p`` may still be filling it. ``p`` may write ``e`` again, or return from the call (after
+    which the user may), only after every such read happened before.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.vc = [[0] * world_size for _ in range(world_size)]
+        self.writes: dict[tuple[int, int], tuple[int, int]] = {}  # (storage id, index) -> (owner, clock)
+        self.reads: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # -> [(reader, clock, owner)]
+
+    def read(self, reader: int, owner: int, storage: list[Value], start: int, count: int, where: str) -> None:
+        sid = id(storage)
+        for i in range(start, start + count):
+            w_owner, w_clock = self.writes.get((sid, i), (owner, 1))
+            if self.vc[reader][w_owner] < w_clock:
+                raise PlanError(
+                    f"{where}: reads rank {owner}'s element {i} before rank {w_owner}'s write of it "
+                    f"(clock {w_clock}) happened before: missing synchronisation"
+                )
+            self.reads.setdefault((sid, i), []).append((reader, self.vc[reader][reader], owner))
+
+    def write(self, writer: int, storage: list[Value], start: int, count: int, where: str) -> None:
+        sid = id(storage)
+        for i in range(start, start + count):
+            for reader, clock, _ in self.reads.pop((sid, i), ()):
+                if reader != writer and self.vc[writer][reader] < clock:
+                    raise PlanError(f"{where}: overwrites element {i} while rank {reader} may still be reading it")
+            self.writes[(sid, i)] = (writer, self.vc[writer][writer])
+
+    def check_return(self, rank: int, label: str) -> None:
+        """Rank ``rank`` returns: every remote read of its buffers must have happened before."""
+        for (_, i), reads in self.reads.items():
+            for reader, clock, owner in reads:
+                if owner == rank and reader != rank and self.vc[rank][reader] < clock:
+                    raise PlanError(
+                        f"{label}: rank {rank} returns while rank {reader} may still read its element "
+                        f"{i}: the user could overwrite it"
+                    )
 
 
 def _run(
@@ -92,7 +132,9 @@ def _run(
     label: str,
 ) -> list[_Rank]:
     ranks = [_Rank(kind, r, world_size, count, root, inplace, tmp) for r in range(world_size)]
-    channels: dict[tuple[int, int], collections.deque[tuple[int, list[Value], frozenset[int]]]] = (
+    remote = any(reg is not None and reg.rank is not None for prog in programs for s, _ in prog for reg in (s.a, s.b))
+    clocks = _Clocks(world_size) if remote else None
+    channels: dict[tuple[int, int], collections.deque[tuple[int, list[Value], frozenset[int], list[int]]]] = (
         collections.defaultdict(collections.deque)
     )
     pcs = [0] * world_size
@@ -106,7 +148,7 @@ def _run(
                     break
                 if step.send is not None and len(channels[(r, step.send)]) >= nslots:
                     break
-                _execute(ranks[r], r, step, base, channels, where)
+                _execute(ranks, r, step, base, channels, where, clocks)
                 pcs[r] += 1
                 progressed = True
         if all(pcs[r] == len(programs[r]) for r in range(world_size)):
@@ -121,36 +163,55 @@ def _run(
     leftover = {ch: len(q) for ch, q in channels.items() if q}
     if leftover:
         raise PlanError(f"{label}: messages never received: {leftover}")
+    if clocks is not None:
+        for r in range(world_size):
+            clocks.check_return(r, label)
     return ranks
 
 
-def _execute(rank: _Rank, r: int, step: Step, base: int, channels: Any, where: str) -> None:
+def _execute(
+    ranks: list[_Rank], r: int, step: Step, base: int, channels: Any, where: str, clocks: _Clocks | None
+) -> None:
+    rank = ranks[r]
+    if clocks is not None:
+        clocks.vc[r][r] += 1
     slot: list[Value] | None = None
     if step.recv is not None:
-        n, slot, heard = channels[(step.recv, r)].popleft()
+        n, slot, heard, sender_vc = channels[(step.recv, r)].popleft()
         if n != step.count:
             raise PlanError(f"{where}: receives {step.count} elements but rank {step.recv} sent {n}")
         rank.heard |= heard
+        if clocks is not None:
+            clocks.vc[r] = [max(a, b) for a, b in zip(clocks.vc[r], sender_vc, strict=True)]
+
+    def read(region: Region) -> list[Value]:
+        owner = r if region.rank is None else region.rank
+        storage, start = ranks[owner].locate(region, base, step.count)
+        if clocks is not None and owner != r:
+            clocks.read(r, owner, storage, start, step.count, where)
+        return storage[start : start + step.count]
+
     try:
         if step.reduce:
-            x = slot if (slot is not None and step.recv_left) else rank.read(step.a, base, step.count)  # type: ignore[arg-type]
-            if slot is not None and not step.recv_left:
-                y = slot
-            else:
-                y = rank.read(step.b, base, step.count)  # type: ignore[arg-type]
+            x = slot if (slot is not None and step.recv_left) else read(step.a)  # type: ignore[arg-type]
+            y = slot if (slot is not None and not step.recv_left) else read(step.b)  # type: ignore[arg-type]
             value = [("op", a, b) for a, b in zip(x, y, strict=True)]
             if step.final:
                 value = [("avg", v) for v in value]
         elif slot is not None:
             value = slot
         elif step.a is not None:
-            value = rank.read(step.a, base, step.count)
+            value = read(step.a)
         else:
             value = [None] * step.count
         if step.send is not None:
-            channels[(r, step.send)].append((step.count, list(value), frozenset(rank.heard)))
+            vc = list(clocks.vc[r]) if clocks is not None else []
+            channels[(r, step.send)].append((step.count, list(value), frozenset(rank.heard), vc))
         if step.dst is not None:
-            rank.write(step.dst, base, list(value))
+            storage, start = rank.locate(step.dst, base, step.count)
+            if clocks is not None:
+                clocks.write(r, storage, start, step.count, where)
+            storage[start : start + step.count] = list(value)
     except IndexError as exc:
         raise PlanError(f"{where}: {exc}") from None
 

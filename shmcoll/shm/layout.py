@@ -16,7 +16,7 @@ so a rank polling its own word never steals a line another rank is writing::
               |            consumer line: TAIL          HEAD_WAITERS                |  per channel
               +--------------------------------------------------------------------+
               | ring c     slot 0 | slot 1 | ... | slot NSLOTS-1                      |  one ring
-              |            slot = SEQ SIG (16 B) + payload (SLOT_BYTES), 64-B aligned |  per channel
+              |            slot = SEQ SIG PLACE pad (32 B) + payload, 64-B aligned   |  per channel
               +--------------------------------------------------------------------+ TOTAL
 
 A channel is one directed single-producer single-consumer queue ``src -> dst``; there are
@@ -27,10 +27,12 @@ sits on the consumer's line because the producer reads that line anyway; likewis
 TAIL_WAITERS on the producer's line.
 
 Each slot starts with the SEQ and SIG of the call that wrote it, so a receiver detects a peer
-that is in a different call (mismatch) on first contact; a payload of up to 48 bytes shares the
-cache line of its tag, so a small message costs the consumer one line.
+that is in a different call (mismatch) on first contact, and PLACE, where a zero-copy call's
+registered buffer sits (0 otherwise), so ranks that passed buffers from different places are
+caught before anyone reads a peer's buffer. A payload of up to 32 bytes shares the cache line of
+its tag, so a small message costs the consumer one line.
 
-Footprint: ``192 + 64 n + 128 n (n - 1) + n (n - 1) NSLOTS round64(16 + SLOT_BYTES)`` bytes for
+Footprint: ``192 + 64 n + 128 n (n - 1) + n (n - 1) NSLOTS round64(32 + SLOT_BYTES)`` bytes for
 ``n`` ranks; with the defaults (4 slots of 64 KiB) that is about 256 KiB per channel: 0.5 MiB
 for 2 ranks, 3 MiB for 4, 14 MiB for 8, 63 MiB for 16.
 """
@@ -43,7 +45,7 @@ LINE = 64
 WORDS_PER_LINE = LINE // 8
 MAGIC = 0x6C6C6F636D687300  # "\0shmcoll" little endian: a header that is not ours fails fast
 VERSION = 1
-SLOT_HEADER_BYTES = 16
+SLOT_HEADER_BYTES = 32
 
 # Header words (int64 index).
 H_MAGIC, H_VERSION, H_TOKEN, H_WORLD_SIZE, H_NSLOTS, H_SLOT_BYTES, H_TOTAL = range(7)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cases import COLLECTIVES, REDUCING, ROOTED, SAME_ON_ALL, Case, run_cases
+from cases import COLLECTIVES, REDUCING, ROOTED, SAME_ON_ALL, Case, make_case, run_cases
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,7 +24,7 @@ def cases(draw):  # type: ignore[no-untyped-def]
     algorithm = draw(st.sampled_from([a.name for a in registry.algorithms(kind)]))
     dtype = draw(st.sampled_from(DTYPES))
     ops = [op for op in ReduceOp if supports(op, dtype)] if kind in REDUCING else [ReduceOp.SUM]
-    case = Case(
+    case = make_case(
         kind=kind,
         algorithm=algorithm,
         dtype=dtype.name,
@@ -37,7 +37,7 @@ def cases(draw):  # type: ignore[no-untyped-def]
         shape2d=draw(st.booleans()),
     )
     if case.shape2d and case.count % 2:
-        case = Case(**{**case.__dict__, "shape2d": False})
+        case = Case(**{**case.__dict__, "shape2d": False})  # a 2-d shape needs an even count
     return world_size, case
 
 

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import psutil
 import pytest
-from cases import COLLECTIVES, REDUCING, ROOTED, SAME_ON_ALL, Case, call, expected, inputs
+from cases import COLLECTIVES, REDUCING, ROOTED, SAME_ON_ALL, Case, call, expected, inputs, make_case
 
 from shmcoll import ReduceOp
 from shmcoll.algos import registry
@@ -29,7 +29,7 @@ def random_cases(world_size: int, ncalls: int, seed: int) -> list[Case]:
         ops = [op for op in ReduceOp if supports(op, dtype)] if kind in REDUCING else [ReduceOp.SUM]
         count = int(rng.choice([0, 1, 7, 64, 301, 4097, 20000], p=[0.05, 0.15, 0.2, 0.2, 0.2, 0.15, 0.05]))
         cases.append(
-            Case(
+            make_case(
                 kind=kind,
                 algorithm=str(rng.choice(algs)),
                 dtype=dtype.name,

@@ -166,3 +166,30 @@ def test_signature_round_trip() -> None:
 def test_step_text_is_readable() -> None:
     s = Step(count=8, recv=1, a=Region(Buf.IN, 0), dst=Region(Buf.OUT, 0), reduce=True, final=True)
     assert str(s) == "OUT[0] <- IN[0] (op) recv(1) /n  [8]"
+
+
+def _drop_sync(collective: str, which: int):  # type: ignore[no-untyped-def]
+    """A zerocopy plan with its ``which``-th sync (a dissemination round set) removed."""
+    plan = segment(registry.get(collective, "zerocopy"), 2, 6, 100)
+    programs = []
+    for program in plan.tail.programs:
+        syncs = [i for i, s in enumerate(program) if s.count == 0]  # 2 ranks: one send+recv per sync
+        drop = set(syncs[2 * which : 2 * which + 2])
+        programs.append([s for i, s in enumerate(program) if i not in drop])
+    return dataclasses.replace(plan, tail=dataclasses.replace(plan.tail, programs=programs))
+
+
+def test_race_check_catches_reading_before_the_peer_arrived() -> None:
+    with pytest.raises(PlanError, match="missing synchronisation"):
+        verify(_drop_sync("allreduce", 0), world_size=2, count=6)
+
+
+def test_race_check_catches_overwriting_what_a_peer_still_reads() -> None:
+    # Without the middle sync, a rank copies a peer's finished chunk before it is finished.
+    with pytest.raises(PlanError, match="missing synchronisation|still"):
+        verify(_drop_sync("allreduce", 1), world_size=2, count=6)
+
+
+def test_race_check_catches_returning_while_a_peer_reads() -> None:
+    with pytest.raises(PlanError, match="returns while"):
+        verify(_drop_sync("allgather", 1), world_size=2, count=6)
