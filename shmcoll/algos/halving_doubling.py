@@ -20,7 +20,10 @@ receives the result from its partner last. The ``pow2`` ranks left are *members*
 in rank order, so a range of members covers a contiguous range of ranks and of blocks.
 
 Rounds (message hops on the critical path): allreduce ``2 log2 pow2``, reduce_scatter and
-allgather ``log2 pow2``; plus 2 (fold in, fold out) when ``world_size`` is not a power of two.
+allgather ``log2 pow2``; otherwise plus a fold-in and a fold-out round. Those are 2 more hops
+for allreduce; in reduce_scatter and allgather an extra's own block can travel alongside round
+0, so the longest chain grows by 1 or 2. A block-wise round of ``b`` blocks is ``b`` messages
+each way, alternating send and receive (see ``_exchange``).
 
 Bytes sent per rank per piece, for a power of two ``n`` and a piece of ``V`` elements per block
 (so ``V`` elements in all for allreduce): allreduce ``2 (n-1) V / n`` (each half ``V - V/n``);
@@ -234,7 +237,6 @@ def allreduce(ctx: Context) -> None:
             peer = fold.rank_of(u)
             mine_off, mine_cnt = span(group_of(v, size))
             theirs_off, theirs_cnt = span(group_of(u, size))
-            fold_out = extra is not None and j == rounds - 1
             mine = ctx.region(OUT, mine_off)
             theirs = ctx.region(OUT, theirs_off)
             if j == 0 and u < v:
@@ -246,11 +248,10 @@ def allreduce(ctx: Context) -> None:
                 ctx.emit(rank, Step(count=0, a=mine, dst=mine))
             ctx.send(rank, peer, mine, mine_cnt)
             ctx.recv(rank, peer, theirs, theirs_cnt)
-            if fold_out:
-                ctx.send(rank, extra, theirs, theirs_cnt)  # fused with the receive
-            if fold_out:
-                # Fold out: the extra gets the half it did not just receive.
-                assert extra is not None
+            if extra is not None and j == rounds - 1:
+                # Fold out, as two halves: the one just received (fused with its receive),
+                # then the one this rank already had.
+                ctx.send(rank, extra, theirs, theirs_cnt)
                 ctx.send(rank, extra, mine, mine_cnt)
 
 
