@@ -1,6 +1,9 @@
 """Algorithms: one module per algorithm, each registering builders for the collectives it serves."""
 
-from shmcoll.algos import (
-    direct,  # noqa: F401  (registers)
-    zerocopy,  # noqa: F401  (registers)
+from shmcoll.algos import (  # noqa: F401  (importing registers)
+    direct,
+    halving_doubling,
+    pairwise,
+    ps,
+    zerocopy,
 )
