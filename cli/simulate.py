@@ -45,6 +45,10 @@ def _parsed(kind: str):  # type: ignore[no-untyped-def]
     return convert
 
 
+def names_shown(rows) -> list[str]:  # type: ignore[no-untyped-def]
+    return list(dict.fromkeys(r.algorithm for r in rows))
+
+
 @click.command()
 @click.option("-c", "--collective", default="allreduce", show_default=True, help="The collective.")
 @click.option(
@@ -138,13 +142,7 @@ def simulate(  # type: ignore[no-untyped-def]
     click.echo(sim.format_table(rows, notes, markdown=markdown))
     if closed_forms:
         click.echo("")
-        for name in dict.fromkeys(r.algorithm for r in rows):
-            form = sim.closed_form(collective, name, model.group_size, model.nslots)
-            if form is None:
-                click.echo(f"# {name}: no closed form")
-                continue
-            click.echo(f"# {name}: closed form for {form.domain}")
-            for fig, f in form.formulas:
-                click.echo(f"#   {fig:<22} = {f}")
+        forms = {name: sim.closed_form(collective, name, model.group_size, model.nslots) for name in names_shown(rows)}
+        click.echo(sim.format_closed_forms(forms, markdown=markdown))
     if plot_path:
         sim.plot(rows, plot_path, title=head)

@@ -871,7 +871,9 @@ def format_table(rows: Sequence[Prediction], notes: Sequence[str] = (), *, markd
             "|" + "|".join(" ---: " if i in (1, 2, 3, 4, 5, 6) else " --- " for i in range(len(_COLUMNS))) + "|"
         )
         lines.extend("| " + " | ".join(c) + " |" for c in cells)
-        lines.extend(f"\n{note}" for note in notes)
+        if notes:
+            lines.append("")
+            lines.extend(f"- {note}" for note in notes)
         return "\n".join(lines)
     widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(_COLUMNS)]
     for note in notes:
@@ -880,10 +882,30 @@ def format_table(rows: Sequence[Prediction], notes: Sequence[str] = (), *, markd
         "# " + "  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(_COLUMNS, widths, strict=True)))
     )
     for c in cells:
-        lines.append(
-            "  "
-            + "  ".join(x.rjust(w) if 0 < i < 7 else x.ljust(w) for i, (x, w) in enumerate(zip(c, widths, strict=True)))
-        )
+        cols = (x.rjust(w) if 0 < i < 7 else x.ljust(w) for i, (x, w) in enumerate(zip(c, widths, strict=True)))
+        lines.append(("  " + "  ".join(cols)).rstrip())
+    return "\n".join(lines)
+
+
+def format_closed_forms(forms: dict[str, ClosedForm | None], *, markdown: bool = False) -> str:
+    """Each algorithm's fitted figures as formulas in n (``None``: no closed form)."""
+    names = FIGURES + next((INTER_FIGURES for f in forms.values() if f and f.group_size is not None), ())
+    if markdown:
+        lines = ["| algorithm | holds for | " + " | ".join(names) + " |", "|" + " --- |" * (len(names) + 2)]
+        for alg, form in forms.items():
+            if form is None:
+                lines.append(f"| {alg} | (no closed form) |" + " |" * len(names))
+            else:
+                figs = dict(form.formulas)
+                lines.append(f"| {alg} | {form.domain} | " + " | ".join(str(figs[k]) for k in names) + " |")
+        return "\n".join(lines)
+    lines = []
+    for alg, form in forms.items():
+        if form is None:
+            lines.append(f"# {alg}: no closed form")
+            continue
+        lines.append(f"# {alg}: closed form for {form.domain}")
+        lines.extend(f"#   {k:<22} = {f}" for k, f in form.formulas)
     return "\n".join(lines)
 
 

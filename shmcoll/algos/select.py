@@ -13,7 +13,7 @@ An explicit name must serve the call or the call fails. ``auto`` decides, in thi
    measured size that is the measured time itself, so auto never picks an algorithm that
    measured slower than another there.
 3. **model**: the cost model (:mod:`shmcoll.sim`), calibrated by the tune table, or the built-in
-   :data:`DEFAULT_MODEL` without one, simulates every candidate's plan; the fastest wins.
+   :func:`default_model` without one, simulates every candidate's plan; the fastest wins.
 4. **fallback**: the first registered candidate (``direct``), when nothing can predict.
 
 The call's **size** is the largest per-rank buffer as ``bench`` counts it (allgather's output,
@@ -43,8 +43,8 @@ from shmcoll.types import COLLECTIVES
 log = logging.getLogger("shmcoll")
 
 TUNE_VERSION = 1
-DEFAULT_ALPHA_S = 2e-6
-DEFAULT_BETA_BPS = 4e9
+DEFAULT_ALPHA_S = 0.25e-6  # see docs/simulator.md, "Figures measured here"
+DEFAULT_BETA_BPS = 20e9
 BLOCKED = frozenset({"allgather", "reduce_scatter", "alltoall", "gather", "scatter"})
 
 
