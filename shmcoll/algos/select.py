@@ -296,7 +296,11 @@ def decide(
 
     def predicted(alg: Algorithm, nbytes: int) -> float | None:
         count = nbytes // query.itemsize // (query.world_size if query.collective in BLOCKED else 1)
-        return sim.call_time(alg, query.world_size, count, query.itemsize, model, slot, root)
+        try:
+            return sim.call_time(alg, query.world_size, count, query.itemsize, model, slot, root)
+        except RuntimeError as exc:  # the plan cannot run with these slots: never choose it
+            log.warning("%s: %s not considered: %s", what, alg.name, exc)
+            return None
 
     entry = table.entry(query.collective, query.world_size, group_size) if table is not None else None
     if entry is not None:

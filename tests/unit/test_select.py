@@ -184,6 +184,24 @@ def test_fallback_when_nothing_can_predict(algos, monkeypatch) -> None:  # type:
     assert (d.algorithm.name, d.reason) == ("direct", "fallback")
 
 
+def deadlocks_with_one_slot(ctx: Context) -> None:
+    """Every rank sends twice before receiving: needs two slots per ring."""
+    n, count = ctx.world_size, ctx.count
+    for r in range(n):
+        for _ in range(2):
+            ctx.send(r, (r + 1) % n, ctx.region(Buf.IN), count)
+        ctx.recv(r, (r - 1) % n, ctx.region(Buf.OUT), count)
+        ctx.recv(r, (r - 1) % n, ctx.region(Buf.OUT), count)
+
+
+def test_a_plan_that_deadlocks_is_never_chosen(algos, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    bad = Algorithm("allreduce", "ps", deadlocks_with_one_slot, registry.one_slot, _always, "")
+    monkeypatch.setitem(registry._REGISTRY, ("allreduce", "ps"), bad)
+    with caplog.at_level(logging.WARNING, logger="shmcoll"):
+        d = decide(q(4, n=3), nslots=1, table=TuneTable(sim.CostModel(1e-6, 1e9, nslots=1), 64 * KB, ()))
+    assert d.algorithm.name == "direct" and "ps not considered: simulated plan deadlocks" in caplog.text
+
+
 def test_no_algorithm_serves(algos, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     direct = registry.get("allreduce", "direct")
     monkeypatch.setitem(
