@@ -626,6 +626,10 @@ FIGURES = ("rounds", "bytes", "period_rounds", "period_bytes", "traffic")
 INTER_FIGURES = ("inter_rounds", "inter_bytes", "inter_period_rounds", "inter_period_bytes")
 
 
+class NoPeriod(RuntimeError):
+    """A probe's schedule did not become periodic within the pieces simulated."""
+
+
 def _probe(which: str, group_size: int | None, nslots: int) -> Costs:
     values = dict.fromkeys(("alpha", "inv_beta", "inter_alpha", "inter_inv_beta"), 0.0)
     values[which] = 1.0
@@ -635,7 +639,9 @@ def _probe(which: str, group_size: int | None, nslots: int) -> Costs:
 
 
 @functools.lru_cache(maxsize=2048)
-def plan_figures(collective: str, algorithm: str, world_size: int, group_size: int | None = None, nslots: int = 4):  # type: ignore[no-untyped-def]
+def plan_figures(
+    collective: str, algorithm: str, world_size: int, group_size: int | None = None, nslots: int = 4
+) -> dict[str, Fraction] | None:
     """The figures a closed form must reproduce, measured on the real plan (see the module doc).
 
     ``rounds``/``bytes``: the alpha and per-byte 1/beta coefficients of the simulated time of a
@@ -666,13 +672,13 @@ def plan_figures(collective: str, algorithm: str, world_size: int, group_size: i
         single, _ = _run(None, timed, 0, m, nslots)
         out[single_name] = Fraction(single) / unit
         period = None
-        for k in _TRY_PIECES:
+        for k in (*_TRY_PIECES, 64):
             _, ends = _run(timed, timed, k, m, nslots)
             period = _period(ends)
             if period is not None:
                 break
         if period is None:
-            raise RuntimeError(f"{collective}/{algorithm} n={n}: no periodic schedule within {_TRY_PIECES[-1]} pieces")
+            raise NoPeriod(f"{collective}/{algorithm} n={n}: no periodic schedule within 64 pieces")
         cycle, shift = period
         out[period_name] = Fraction(shift) / (cycle * unit)
     out["traffic"] = Fraction(sum(s[2] for p in prog for s in p if s[1] >= 0), size)
@@ -765,10 +771,13 @@ def closed_form(collective: str, algorithm: str, group_size: int | None = None, 
     names = FIGURES + (INTER_FIGURES if group_size is not None else ())
     for dom in domains(group_size):
         data: dict[int, dict[str, Fraction]] = {}
-        for n in dom.fit_ns + dom.check_ns:
-            figs = plan_figures(collective, algorithm, n, group_size, nslots)
-            if figs is not None:
-                data[n] = figs
+        try:
+            for n in dom.fit_ns + dom.check_ns:
+                figs = plan_figures(collective, algorithm, n, group_size, nslots)
+                if figs is not None:
+                    data[n] = figs
+        except NoPeriod:
+            continue
         fit_ns = [n for n in dom.fit_ns if n in data]
         if len(fit_ns) < MIN_FIT_POINTS:
             continue
