@@ -13,14 +13,21 @@ from click.testing import CliRunner
 
 from shmcoll.algos import registry
 from shmcoll.algos.registry import ALGORITHM_NAMES, Algorithm, Query
-from shmcoll.cli.main import main
 from shmcoll.plan.builder import Context
 from shmcoll.plan.ir import Buf
 from shmcoll.plan.passes import segment
 
 
+def _cli():  # type: ignore[no-untyped-def]
+    # Imported here: shmcoll.cli resolves through a symlink in worktrees and a package-dir
+    # mapping when installed, and import sorting would classify it differently in each.
+    from shmcoll.cli.main import main
+
+    return main
+
+
 def _invoke(*args: str):  # type: ignore[no-untyped-def]
-    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+    return CliRunner().invoke(_cli(), list(args), catch_exceptions=False)
 
 
 def _shmcoll(*args: str, env: dict[str, str] | None = None, timeout: float = 300):  # type: ignore[no-untyped-def]
@@ -65,7 +72,7 @@ def test_plan_show_body_and_tail_with_small_slots() -> None:
     ],
 )
 def test_plan_show_rejects_bad_arguments(args: list[str], message: str) -> None:
-    result = CliRunner().invoke(main, ["plan", "show", *args])
+    result = CliRunner().invoke(_cli(), ["plan", "show", *args])
     assert result.exit_code == 2 and message in result.output
 
 
@@ -85,8 +92,8 @@ def test_plan_verify_everything_small() -> None:
 def test_plan_verify_narrowed_and_usage() -> None:
     result = _invoke("plan", "verify", "-c", "reduce", "-a", "direct", "-n", "5")
     assert result.exit_code == 0 and "reduce/direct" in result.output and "allreduce" not in result.output
-    assert CliRunner().invoke(main, ["plan", "verify"]).exit_code == 2
-    assert CliRunner().invoke(main, ["plan", "verify", "-c", "nonsense"]).exit_code == 2
+    assert CliRunner().invoke(_cli(), ["plan", "verify"]).exit_code == 2
+    assert CliRunner().invoke(_cli(), ["plan", "verify", "-c", "nonsense"]).exit_code == 2
 
 
 def _broken_allreduce(ctx: Context) -> None:
@@ -106,7 +113,7 @@ def test_plan_verify_fails_on_a_broken_algorithm(monkeypatch) -> None:  # type: 
     registry.algorithms()
     bad = Algorithm("allreduce", "pairwise", _broken_allreduce, registry.one_slot, _always, "")
     monkeypatch.setitem(registry._REGISTRY, ("allreduce", "pairwise"), bad)
-    result = CliRunner().invoke(main, ["plan", "verify", "-c", "allreduce", "-n", "1-3"])
+    result = CliRunner().invoke(_cli(), ["plan", "verify", "-c", "allreduce", "-n", "1-3"])
     assert result.exit_code == 1
     assert "FAIL allreduce/pairwise" in result.output and "ok   allreduce/direct" in result.output
     assert "expected each of" in result.output and "1 algorithm(s) FAILED" in result.output
@@ -148,9 +155,9 @@ def test_simulate_markdown_and_errors() -> None:
     assert result.exit_code == 0
     assert "| algorithm | ranks | size | time |" in result.output and "| direct | 8 | 1M |" in result.output
     for bad in (["--alpha", "soon"], ["--beta", "0GB/s"], ["-n", "0"], ["-s", "big"], ["-c", "nonsense"]):
-        r = CliRunner().invoke(main, ["simulate", "-a", "direct", *bad])
+        r = CliRunner().invoke(_cli(), ["simulate", "-a", "direct", *bad])
         assert r.exit_code == 2, bad
-    r = CliRunner().invoke(main, ["simulate", "-a", "direct", "--inter-alpha", "10us"])
+    r = CliRunner().invoke(_cli(), ["simulate", "-a", "direct", "--inter-alpha", "10us"])
     assert r.exit_code == 2 and "group size" in r.output
 
 
@@ -186,6 +193,6 @@ def test_tune_writes_the_table_auto_reads(tmp_path) -> None:  # type: ignore[no-
 
 def test_tune_rejects_bad_options(tmp_path) -> None:  # type: ignore[no-untyped-def]
     for bad in (["-n", "1"], ["-n", "two"], ["-c", "nonsense"], ["-b", "1M", "-e", "1K"], ["--link-iters", "1"]):
-        r = CliRunner().invoke(main, ["tune", *bad, "-o", str(tmp_path / "t.json")])
+        r = CliRunner().invoke(_cli(), ["tune", *bad, "-o", str(tmp_path / "t.json")])
         assert r.exit_code == 2, (bad, r.output)
     assert not (tmp_path / "t.json").exists()
