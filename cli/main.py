@@ -220,5 +220,14 @@ def cleanup(dry_run, min_age) -> None:  # type: ignore[no-untyped-def]
     click.echo(f"{verb} {len(stale)} stale segment(s); {len(live)} belong to live jobs")
 
 
+# --- plan, simulate, tune (their own modules) ---------------------------------------------------
+from shmcoll.cli.plan import plan  # noqa: E402
+from shmcoll.cli.simulate import simulate  # noqa: E402
+from shmcoll.cli.tune import tune  # noqa: E402
+
+main.add_command(plan)
+main.add_command(simulate)
+main.add_command(tune)
+
 if __name__ == "__main__":
     main()

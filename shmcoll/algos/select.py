@@ -1,25 +1,379 @@
 """Which algorithm serves a call when the caller says ``algorithm="auto"``.
 
-An explicit name must serve the call or the call fails; ``auto`` takes the first registered
-algorithm that supports the call, with ``direct`` as the fallback that supports everything.
+An explicit name must serve the call or the call fails. ``auto`` decides, in this order:
+
+1. **override**: ``SHMCOLL_ALGO`` (``config.algo``), e.g. ``allreduce:ring,broadcast:dbtree`` or
+   with size ranges ``allreduce:direct:0-64K;ring:64K-``. The first rule of the call's
+   collective whose range holds the call's size wins; a rule whose algorithm cannot serve the
+   call is skipped, with the reason logged.
+2. **measured**: the table written by ``shmcoll tune`` (``config.tune_file``) holds measured
+   times per (collective, world size) at a set of sizes. Each measured algorithm's time at the
+   call's size is the cost model's prediction times the ratio measured/predicted, interpolated
+   (log-log) between the measured sizes and held flat beyond them; the fastest wins. At a
+   measured size that is the measured time itself, so auto never picks an algorithm that
+   measured slower than another there.
+3. **model**: the cost model (:mod:`shmcoll.sim`), calibrated by the tune table, or the built-in
+   :func:`default_model` without one, simulates every candidate's plan; the fastest wins.
+4. **fallback**: the first registered candidate (``direct``), when nothing can predict.
+
+The call's **size** is the largest per-rank buffer as ``bench`` counts it (allgather's output,
+reduce_scatter's input), in the bytes that move (float16 reductions move float32).
+
+The choice runs once per call shape (the communicator caches the plan) and depends only on the
+call, the environment and the tune file, never on the rank: every rank of a call chooses the
+same. In-place is per rank, so candidates must support the call both in place and not, and the
+model simulates the out-of-place plan (in place changes only local copies).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
+import logging
+import math
+from typing import Any
+
+from shmcoll import config
 from shmcoll.algos import registry
-from shmcoll.algos.registry import Algorithm, Query
+from shmcoll.algos.registry import ALGORITHM_NAMES, Algorithm, Query
 from shmcoll.errors import UnsupportedError
+from shmcoll.types import COLLECTIVES
+
+log = logging.getLogger("shmcoll")
+
+TUNE_VERSION = 1
+DEFAULT_ALPHA_S = 0.25e-6  # see docs/simulator.md, "Figures measured here"
+DEFAULT_BETA_BPS = 20e9
+BLOCKED = frozenset({"allgather", "reduce_scatter", "alltoall", "gather", "scatter"})
 
 
-def choose(query: Query, requested: str = "auto") -> Algorithm:
-    """The algorithm for ``query``; raises :class:`UnsupportedError` for an unusable request."""
+# --- overrides -----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One choice of an override: ``algorithm`` for sizes in ``[lo, hi)`` (``hi=None``: no limit)."""
+
+    algorithm: str
+    lo: int = 0
+    hi: int | None = None
+    text: str = ""
+
+    def holds(self, size: int) -> bool:
+        return self.lo <= size and (self.hi is None or size < self.hi)
+
+
+def _bad(part: str, why: str) -> ValueError:
+    return ValueError(f"SHMCOLL_ALGO: bad part {part!r}: {why}")
+
+
+@functools.lru_cache(maxsize=16)
+def parse_overrides(text: str) -> dict[str, tuple[Rule, ...]]:
+    """Parse ``SHMCOLL_ALGO``: ``COLLECTIVE:CHOICE[;CHOICE...][,COLLECTIVE:...]``.
+
+    A CHOICE is ``ALGORITHM`` or ``ALGORITHM:LO-HI`` with sizes in bytes (K/M/G suffixes); ``LO``
+    defaults to 0 and ``HI`` to no limit, and the range is ``LO <= size < HI``. Rules keep their
+    order; a collective named twice adds rules after the first ones.
+
+    Raises:
+        ValueError: naming the bad part.
+    """
+    rules: dict[str, list[Rule]] = {}
+    if not text.strip():
+        return {}
+    for entry in text.split(","):
+        entry = entry.strip()
+        if not entry:
+            raise _bad(text, "empty entry (stray comma?)")
+        collective, sep, rest = entry.partition(":")
+        collective = collective.strip()
+        if not sep or not rest.strip():
+            raise _bad(entry, "expected COLLECTIVE:ALGORITHM, e.g. allreduce:ring")
+        if collective not in COLLECTIVES:
+            raise _bad(entry, f"unknown collective {collective!r}; one of {', '.join(COLLECTIVES)}")
+        for choice in rest.split(";"):
+            choice = choice.strip()
+            if not choice:
+                raise _bad(entry, "empty choice (stray semicolon?)")
+            name, sep, span = choice.partition(":")
+            name = name.strip()
+            if name not in ALGORITHM_NAMES:
+                raise _bad(choice, f"unknown algorithm {name!r}; one of {', '.join(ALGORITHM_NAMES)}")
+            lo, hi = 0, None
+            if sep:
+                lo_text, dash, hi_text = span.partition("-")
+                if not dash:
+                    raise _bad(choice, "a size range is LO-HI, LO- or -HI, e.g. 0-64K")
+                try:
+                    lo = config.parse_size(lo_text) if lo_text.strip() else 0
+                    hi = config.parse_size(hi_text) if hi_text.strip() else None
+                except ValueError as exc:
+                    raise _bad(choice, str(exc)) from None
+                if hi is not None and hi <= lo:
+                    raise _bad(choice, f"empty range: {lo} >= {hi}")
+            rules.setdefault(collective, []).append(Rule(name, lo, hi, choice))
+    return {c: tuple(r) for c, r in rules.items()}
+
+
+# --- the tune table ------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """Measured times of one (collective, world size): ``times_s[name][i]`` at ``sizes[i]``."""
+
+    collective: str
+    world_size: int
+    sizes: tuple[int, ...]
+    times_s: dict[str, tuple[float | None, ...]]
+    group_size: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneTable:
+    """What ``shmcoll tune`` wrote: the calibrated model, the slot geometry, the measurements."""
+
+    model: Any  # shmcoll.sim.CostModel (imported lazily: the simulator is only needed for auto)
+    slot_bytes: int
+    measured: tuple[Measured, ...]
+    source: str = ""
+
+    def entry(self, collective: str, world_size: int, group_size: int | None) -> Measured | None:
+        for m in self.measured:
+            if m.collective == collective and m.world_size == world_size and m.group_size == group_size:
+                return m
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": TUNE_VERSION,
+            "model": self.model.to_dict(),
+            "slot_bytes": self.slot_bytes,
+            "measured": [
+                {
+                    "collective": m.collective,
+                    "world_size": m.world_size,
+                    "group_size": m.group_size,
+                    "sizes": list(m.sizes),
+                    "times_s": {k: list(v) for k, v in m.times_s.items()},
+                }
+                for m in self.measured
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], source: str = "") -> TuneTable:
+        from shmcoll.sim import CostModel
+
+        if data.get("version") != TUNE_VERSION:
+            raise ValueError(f"tune table version {data.get('version')!r}, expected {TUNE_VERSION}")
+        measured = []
+        for m in data.get("measured", []):
+            sizes = tuple(int(s) for s in m["sizes"])
+            times = {str(k): tuple(None if t is None else float(t) for t in v) for k, v in m["times_s"].items()}
+            if any(len(v) != len(sizes) for v in times.values()):
+                raise ValueError(f"{m['collective']} n={m['world_size']}: times and sizes differ in length")
+            measured.append(Measured(str(m["collective"]), int(m["world_size"]), sizes, times, m.get("group_size")))
+        return cls(CostModel.from_dict(data["model"]), int(data["slot_bytes"]), tuple(measured), source)
+
+
+def default_model() -> Any:
+    """The built-in cost model, used when no tune table exists (see ``docs/simulator.md``)."""
+    from shmcoll.sim import CostModel
+
+    cfg = config.get()
+    return CostModel(DEFAULT_ALPHA_S, DEFAULT_BETA_BPS, nslots=cfg.nslots)
+
+
+@functools.lru_cache(maxsize=8)
+def load_table(path: str) -> TuneTable | None:
+    """The tune table at ``path``, read once per process; ``None`` if absent or unreadable (logged)."""
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            return TuneTable.from_json(json.load(f), path)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("ignoring tune table %s (%s); using the built-in cost model", path, exc)
+        return None
+
+
+def reset() -> None:
+    """Forget cached overrides, tables and predictions (after the environment or a file changed)."""
+    parse_overrides.cache_clear()
+    load_table.cache_clear()
+    _decide_cached.cache_clear()
+    from shmcoll import sim
+
+    sim.plan_time.cache_clear()
+
+
+# --- the decision ---------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """The algorithm auto chose, and why: ``override``, ``measured``, ``model`` or ``fallback``."""
+
+    algorithm: Algorithm
+    reason: str
+    detail: str = ""
+
+
+def call_size(query: Query) -> int:
+    """The call's size in bytes as overrides and the tune table count it (see the module doc)."""
+    return query.count * query.itemsize * (query.world_size if query.collective in BLOCKED else 1)
+
+
+def _candidates(query: Query) -> tuple[list[Algorithm], dict[str, str]]:
+    """Algorithms that serve the call whether or not this rank is in place, and why others don't."""
+    flipped = dataclasses.replace(query, inplace=not query.inplace)
+    ok, why = [], {}
+    for alg in registry.algorithms(query.collective):
+        reason = alg.reason_unsupported(query) or alg.reason_unsupported(flipped)
+        if reason is None:
+            ok.append(alg)
+        else:
+            why[alg.name] = reason
+    return ok, why
+
+
+def _fmt(seconds: float) -> str:
+    from shmcoll.sim import format_time
+
+    return format_time(seconds)
+
+
+def _log_interp(x: float, xs: list[float], ys: list[float]) -> float:
+    """Piecewise-linear interpolation of ``log y`` over ``log x``, held flat outside ``xs``."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    lx = math.log(x)
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            x0, x1 = math.log(xs[i - 1]), math.log(xs[i])
+            w = (lx - x0) / (x1 - x0)
+            return math.exp((1 - w) * math.log(ys[i - 1]) + w * math.log(ys[i]))
+    return ys[-1]
+
+
+def decide(
+    query: Query,
+    *,
+    overrides: str = "",
+    table: TuneTable | None = None,
+    slot_bytes: int | None = None,
+    nslots: int | None = None,
+    group_size: int | None = None,
+) -> Decision:
+    """The auto choice for ``query`` given the override text and tune table (pure: no environment).
+
+    Raises:
+        UnsupportedError: no registered algorithm serves the call.
+        ValueError: a malformed override.
+    """
+    from shmcoll import sim
+
+    rules = parse_overrides(overrides).get(query.collective, ())
+    candidates, why_not = _candidates(query)
+    if not candidates:
+        raise UnsupportedError(f"no registered algorithm serves {query}: {why_not}")
+    by_name = {a.name: a for a in candidates}
+    size = call_size(query)
+    what = f"{query.collective} n={query.world_size} {size} B"
+    for rule in rules:
+        if not rule.holds(size):
+            continue
+        if rule.algorithm in by_name:
+            return Decision(by_name[rule.algorithm], "override", f"SHMCOLL_ALGO {rule.text!r}")
+        reason = why_not.get(rule.algorithm, f"not registered for {query.collective}")
+        log.warning("%s: SHMCOLL_ALGO rule %r skipped: %s", what, rule.text, reason)
+
+    model = table.model if table is not None else default_model()
+    if nslots is not None and nslots != model.nslots:
+        model = dataclasses.replace(model, nslots=nslots)
+    slot = slot_bytes or (table.slot_bytes if table is not None else config.get().slot_bytes)
+    root = query.root if query.collective in ("broadcast", "reduce", "gather", "scatter") else 0
+
+    def predicted(alg: Algorithm, nbytes: int) -> float | None:
+        count = nbytes // query.itemsize // (query.world_size if query.collective in BLOCKED else 1)
+        try:
+            return sim.call_time(alg, query.world_size, count, query.itemsize, model, slot, root)
+        except RuntimeError as exc:  # the plan cannot run with these slots: never choose it
+            log.warning("%s: %s not considered: %s", what, alg.name, exc)
+            return None
+
+    entry = table.entry(query.collective, query.world_size, group_size) if table is not None else None
+    if entry is not None:
+        estimates: dict[str, float] = {}
+        for alg in candidates:
+            points = [(s, t) for s, t in zip(entry.sizes, entry.times_s.get(alg.name, ()), strict=False) if t]
+            if not points:
+                continue
+            if size in entry.sizes and dict(points).get(size):
+                estimates[alg.name] = dict(points)[size]
+                continue
+            here = predicted(alg, size)
+            ratios = [(s, t / p) for s, t in points if (p := predicted(alg, s))]
+            if here is None or not ratios:
+                continue
+            estimates[alg.name] = here * _log_interp(max(size, 1), [s for s, _ in ratios], [r for _, r in ratios])
+        if estimates:
+            # Ties go to the earlier algorithm in registry order (min over an ordered list).
+            best = min((a for a in candidates if a.name in estimates), key=lambda a: estimates[a.name])
+            others = ", ".join(f"{k} {_fmt(v)}" for k, v in estimates.items() if k != best.name)
+            how = "measured" if size in entry.sizes else "measured, model-interpolated"
+            return Decision(
+                best, "measured", f"{how} {_fmt(estimates[best.name])}" + (f" vs {others}" if others else "")
+            )
+
+    times = {a.name: predicted(a, size) for a in candidates}
+    known = [a for a in candidates if times[a.name] is not None]
+    if known:
+        best = min(known, key=lambda a: times[a.name])  # type: ignore[arg-type,return-value]
+        others = ", ".join(f"{k} {_fmt(v)}" for k, v in times.items() if k != best.name and v is not None)
+        src = f"model from {table.source}" if table is not None else "built-in model"
+        return Decision(best, "model", f"{src}: {_fmt(times[best.name])}" + (f" vs {others}" if others else ""))  # type: ignore[arg-type]
+    return Decision(candidates[0], "fallback", "no prediction for any candidate")
+
+
+@functools.lru_cache(maxsize=4096)
+def _decide_cached(
+    query: Query, overrides: str, tune_file: str, slot_bytes: int | None, nslots: int | None, group_size: int | None
+) -> Decision:
+    return decide(
+        query,
+        overrides=overrides,
+        table=load_table(tune_file),
+        slot_bytes=slot_bytes,
+        nslots=nslots,
+        group_size=group_size,
+    )
+
+
+def choose(
+    query: Query, requested: str = "auto", *, slot_bytes: int | None = None, nslots: int | None = None
+) -> Algorithm:
+    """The algorithm for ``query``; raises :class:`UnsupportedError` for an unusable request.
+
+    ``slot_bytes``/``nslots`` describe the communicator's rings (default: the configuration's).
+    """
     if requested != "auto":
         alg = registry.get(query.collective, requested)
         reason = alg.reason_unsupported(query)
         if reason is not None:
             raise UnsupportedError(f"algorithm {requested!r} cannot serve this {query.collective}: {reason}")
         return alg
-    for alg in registry.algorithms(query.collective):
-        if alg.reason_unsupported(query) is None:
-            return alg
-    raise UnsupportedError(f"no registered algorithm serves {query}")
+    cfg = config.get()
+    # In place is per rank; the decision must not depend on it.
+    key = dataclasses.replace(query, inplace=False)
+    decision = _decide_cached(key, cfg.algo, cfg.tune_file, slot_bytes, nslots, cfg.group_size)
+    log.info(
+        "auto: %s n=%d %d B -> %s (%s: %s)",
+        query.collective,
+        query.world_size,
+        call_size(query),
+        decision.algorithm.name,
+        decision.reason,
+        decision.detail,
+    )
+    return decision.algorithm

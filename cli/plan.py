@@ -1,0 +1,209 @@
+"""``shmcoll plan show`` (print a plan's steps) and ``shmcoll plan verify`` (the symbolic verifier)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import click
+
+from shmcoll.config import format_size, parse_size
+
+ROOTED = ("broadcast", "scatter", "gather", "reduce", "p2p")
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _csv(value: str | None) -> tuple[str, ...]:
+    return tuple(v.strip() for v in (value or "").split(",") if v.strip())
+
+
+def _world_sizes(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
+    """``4``, ``1,2,5`` or ``1-16``."""
+    if value is None:
+        return None
+    out: list[int] = []
+    try:
+        for part in _csv(value):
+            lo, dash, hi = part.partition("-")
+            out.extend(range(int(lo), int(hi) + 1) if dash else [int(part)])
+    except ValueError:
+        raise click.BadParameter(f"expected N, N,M,... or LO-HI, got {value!r}") from None
+    if not out or min(out) < 1:
+        raise click.BadParameter(f"world sizes must be >= 1, got {value!r}")
+    return tuple(out)
+
+
+@click.group()
+def plan() -> None:
+    """Print and verify the plans the algorithms build (no processes)."""
+
+
+@plan.command()
+@click.argument("collective")
+@click.option("-a", "--algorithm", default="direct", show_default=True, help="A registered algorithm.")
+@click.option("-n", "--world-size", type=int, default=4, show_default=True, help="Ranks.")
+@click.option("--count", type=int, default=16, show_default=True, help="Elements (per block for blocked collectives).")
+@click.option("--root", type=int, default=0, show_default=True, help="Root of rooted collectives.")
+@click.option("--peer", type=int, default=None, help="p2p only: the receiving rank (default root + 1).")
+@click.option("--slot-bytes", callback=_size, default=None, help="Ring slot size (default: SHMCOLL_SLOT_BYTES).")
+@click.option("--dtype", default="float32", show_default=True, help="Element type (sets elements per slot).")
+@click.option("--in-place", is_flag=True, help="Build the in-place variant.")
+def show(collective, algorithm, world_size, count, root, peer, slot_bytes, dtype, in_place) -> None:  # type: ignore[no-untyped-def]
+    """Print every rank's steps of COLLECTIVE: the body (run once per full piece) and the tail."""
+    import numpy as np
+
+    from shmcoll import config
+    from shmcoll.algos import registry
+    from shmcoll.algos.registry import Query
+    from shmcoll.plan.passes import segment
+
+    try:
+        itemsize = np.dtype(dtype).itemsize
+    except TypeError:
+        raise click.BadParameter(f"not a numpy dtype: {dtype!r}", param_hint="--dtype") from None
+    if world_size < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--world-size")
+    if count < 0:
+        raise click.BadParameter("must be >= 0", param_hint="--count")
+    if not 0 <= root < world_size:
+        raise click.BadParameter(f"root {root} out of range for {world_size} ranks", param_hint="--root")
+    if collective == "p2p":
+        peer = (root + 1) % world_size if peer is None else peer
+        if world_size < 2 or not 0 <= peer < world_size or peer == root:
+            raise click.BadParameter("p2p needs 2+ ranks and a peer other than the root", param_hint="--peer")
+    try:
+        alg = registry.get(collective, algorithm)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    reason = alg.reason_unsupported(Query(collective, world_size, count, itemsize, root=root, inplace=in_place))
+    if reason is not None:
+        raise click.UsageError(f"{collective}/{algorithm} cannot serve this call: {reason}")
+    slot = slot_bytes or config.get().slot_bytes
+    slot_count = max(1, slot // itemsize)
+    seg = segment(alg, world_size, count, slot_count, root=root, inplace=in_place, peer=peer or 0)
+    mode = "in place" if in_place else "out of place"
+    click.echo(
+        f"# {collective}/{algorithm}: {world_size} ranks, count {count}, root {root}, {mode}; "
+        f"slot {format_size(slot)} = {slot_count} {dtype} elements"
+    )
+    if seg.body is None:
+        click.echo(f"# one piece of {seg.tail.count} elements (tail only); scratch {seg.tmp_count} elements")
+    else:
+        click.echo(
+            f"# {seg.reps} body piece(s) of {seg.piece} elements, then a tail of {seg.tail.count}; "
+            f"scratch {seg.tmp_count} elements"
+        )
+    for rank in range(world_size):
+        click.echo(f"rank {rank}:")
+        parts = [("body", seg.body)] if seg.body is not None else []
+        for label, piece in [*parts, ("tail", seg.tail)]:
+            steps = piece.programs[rank]
+            reps = f" x{seg.reps}" if label == "body" else ""
+            click.echo(f"  {label}{reps}: {len(steps)} step(s)")
+            for i, step in enumerate(steps):
+                click.echo(f"    {i:>4}  {step}")
+
+
+def _cases(collective: str, n: int) -> Iterator[tuple[int, int]]:
+    """(root, peer) pairs to verify: every root; for p2p each root's two neighbours."""
+    if collective == "p2p":
+        for root in range(n):
+            for peer in sorted({(root + 1) % n, (root - 1) % n} - {root}):
+                yield root, peer
+    elif collective in ROOTED:
+        for root in range(n):
+            yield root, 0
+    else:
+        yield 0, 0
+
+
+def verify_algorithm(
+    collective: str, algorithm: str, world_sizes: tuple[int, ...], nslots: tuple[int, ...]
+) -> tuple[int, list[str]]:
+    """Verify every plan shape of one algorithm; (plans checked, failures)."""
+    from shmcoll.algos import registry
+    from shmcoll.algos.registry import Query
+    from shmcoll.plan.passes import segment
+    from shmcoll.plan.verify import PlanError, verify
+
+    alg = registry.get(collective, algorithm)
+    checked = 0
+    failures: list[str] = []
+    for n in world_sizes:
+        for root, peer in _cases(collective, n):
+            # count 0 and 1, around the world size, and several pieces with tiny slots
+            for count, slot in ((0, 4), (1, 4), (n + 1, 4), (13, 3), (3 * n + 2, 2)):
+                for inplace in (False, True):
+                    if alg.reason_unsupported(Query(collective, n, count, 1, root=root, inplace=inplace)):
+                        continue
+                    try:
+                        seg = segment(alg, n, count, slot, root=root, inplace=inplace, peer=peer)
+                        for ns in nslots:
+                            verify(seg, world_size=n, count=count, root=root, inplace=inplace, nslots=ns, peer=peer)
+                            checked += 1
+                    except (PlanError, ValueError, IndexError, KeyError) as exc:
+                        failures.append(f"n={n} root={root} count={count} slot={slot} inplace={inplace}: {exc}")
+    return checked, failures
+
+
+@plan.command()
+@click.option("--all", "everything", is_flag=True, help="Every registered (collective, algorithm).")
+@click.option("-c", "--collective", default=None, help="Only these collectives (comma-separated).")
+@click.option("-a", "--algorithm", default=None, help="Only these algorithms (comma-separated).")
+@click.option(
+    "-n", "--world-size", "world_sizes", callback=_world_sizes, default=None, help="World sizes (default 1-16)."
+)
+@click.option("--nslots", default="1,2", show_default=True, help="Slots per ring to verify with (comma-separated).")
+def verify(everything, collective, algorithm, world_sizes, nslots) -> None:  # type: ignore[no-untyped-def]
+    """Run the symbolic verifier over registered plans: every root, several counts, in and out of
+    place, with 1 and 2 slots per ring. Exits non-zero on any failure."""
+    from shmcoll.algos import registry
+
+    if not (everything or collective or algorithm):
+        raise click.UsageError("give --all, or narrow with --collective/--algorithm")
+    try:
+        slots = tuple(int(s) for s in _csv(nslots))
+    except ValueError:
+        raise click.BadParameter(f"expected integers, got {nslots!r}", param_hint="--nslots") from None
+    if not slots or min(slots) < 1:
+        raise click.BadParameter("slots per ring must be >= 1", param_hint="--nslots")
+    collectives, algorithms = _csv(collective), _csv(algorithm)
+    known = {a.collective for a in registry.algorithms()}
+    for c in collectives:
+        if c not in known:
+            raise click.UsageError(f"no algorithm registered for {c!r}; registered: {', '.join(sorted(known))}")
+    selected = [
+        a
+        for a in registry.algorithms()
+        if (not collectives or a.collective in collectives) and (not algorithms or a.name in algorithms)
+    ]
+    if not selected:
+        raise click.UsageError("no registered (collective, algorithm) matches")
+    ns = world_sizes or tuple(range(1, 17))
+    total = 0
+    failed = 0
+    for alg in selected:
+        checked, failures = verify_algorithm(alg.collective, alg.name, ns, slots)
+        total += checked
+        status = "ok  " if not failures else "FAIL"
+        click.echo(f"{status} {alg.collective}/{alg.name}: {checked} plan(s) verified, {len(failures)} failure(s)")
+        for f in failures[:5]:
+            click.echo(f"       {f}")
+        if len(failures) > 5:
+            click.echo(f"       ... and {len(failures) - 5} more")
+        failed += bool(failures)
+    span = f"{ns[0]}..{ns[-1]}" if ns == tuple(range(ns[0], ns[-1] + 1)) else ",".join(map(str, ns))
+    click.echo(
+        f"# {len(selected)} algorithm(s), world sizes {span}, every root, {total} plan(s): "
+        + ("all verified" if not failed else f"{failed} algorithm(s) FAILED")
+    )
+    if failed:
+        sys.exit(1)

@@ -1,0 +1,148 @@
+"""``shmcoll simulate``: predicted time and bus bandwidth of algorithms at any scale (no processes)."""
+
+from __future__ import annotations
+
+import click
+
+from shmcoll.config import parse_size
+
+
+def _csv(value: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def _ints(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(v) for v in _csv(value))
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+    if not out or min(out) < 1:
+        raise click.BadParameter(f"world sizes must be >= 1, got {value!r}")
+    return out
+
+
+def _sizes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+    try:
+        out = tuple(parse_size(v) for v in _csv(value))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    if not out:
+        raise click.BadParameter("give at least one size")
+    return out
+
+
+def _parsed(kind: str):  # type: ignore[no-untyped-def]
+    def convert(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+        from shmcoll import sim
+
+        if value is None:
+            return None
+        try:
+            return sim.parse_time(value) if kind == "time" else sim.parse_bandwidth(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+
+    return convert
+
+
+def names_shown(rows) -> list[str]:  # type: ignore[no-untyped-def]
+    return list(dict.fromkeys(r.algorithm for r in rows))
+
+
+@click.command()
+@click.option("-c", "--collective", default="allreduce", show_default=True, help="The collective.")
+@click.option(
+    "-a", "--algorithm", default="all", show_default=True, help="Comma-separated names, or 'all' registered ones."
+)
+@click.option("-n", "--world-size", "world_sizes", default="8,64,1024,16384", show_default=True, callback=_ints)
+@click.option("-s", "--size", "sizes", default="1K,1M,1G", show_default=True, callback=_sizes, help="Call sizes.")
+@click.option("--alpha", default="5us", show_default=True, callback=_parsed("time"), help="Message latency.")
+@click.option("--beta", default="25GB/s", show_default=True, callback=_parsed("bw"), help="Copy bandwidth.")
+@click.option("--inter-alpha", default=None, callback=_parsed("time"), help="Latency between groups.")
+@click.option("--inter-beta", default=None, callback=_parsed("bw"), help="Bandwidth between groups.")
+@click.option("--group-size", type=int, default=None, help="Ranks per group (node); needed by --inter-*.")
+@click.option("--slot-bytes", default="64K", show_default=True, help="Segment (ring slot) size the plans use.")
+@click.option("--nslots", type=int, default=4, show_default=True, help="Slots per channel.")
+@click.option("--dtype", default="float32", show_default=True, help="Element type.")
+@click.option("--root", type=int, default=0, show_default=True, help="Root of rooted collectives.")
+@click.option("--limit", type=int, default=None, help="Simulate plans exactly up to this many ranks (default 128).")
+@click.option("--markdown", is_flag=True, help="Print a markdown table.")
+@click.option("--closed-forms", is_flag=True, help="Also print each algorithm's fitted closed form.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Plot time vs ranks to a PNG.")
+def simulate(  # type: ignore[no-untyped-def]
+    collective,
+    algorithm,
+    world_sizes,
+    sizes,
+    alpha,
+    beta,
+    inter_alpha,
+    inter_beta,
+    group_size,
+    slot_bytes,
+    nslots,
+    dtype,
+    root,
+    limit,
+    markdown,
+    closed_forms,
+    plot_path,
+) -> None:
+    """Predict time and bus bandwidth from the plans under an alpha-beta model.
+
+    Plans are simulated exactly up to the limit; above it each algorithm's closed form (fitted to
+    and checked against its plans) is used, or the row says "n too large to simulate".
+    """
+    import numpy as np
+
+    from shmcoll import sim
+    from shmcoll.algos import registry
+
+    try:
+        model = sim.CostModel(
+            alpha_s=alpha,
+            beta_Bps=beta,
+            inter_alpha_s=inter_alpha,
+            inter_beta_Bps=inter_beta,
+            group_size=group_size,
+            nslots=nslots,
+        )
+        itemsize = np.dtype(dtype).itemsize
+        slot = parse_size(slot_bytes)
+    except (ValueError, TypeError) as exc:
+        raise click.UsageError(str(exc)) from None
+    if slot < itemsize:
+        raise click.UsageError(f"--slot-bytes must hold at least one {dtype} element")
+    if plot_path:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise click.UsageError("--plot needs matplotlib: pip install 'shmcoll[plot]'") from None
+    names = [a.name for a in registry.algorithms(collective)] if algorithm == "all" else list(_csv(algorithm))
+    try:
+        rows, notes = sim.sweep(
+            collective,
+            names,
+            world_sizes,
+            sizes,
+            model,
+            itemsize=itemsize,
+            slot_bytes=slot,
+            root=root,
+            limit=limit or sim.EXACT_LIMIT,
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    lim = limit or sim.EXACT_LIMIT
+    head = (
+        f"{collective}, {dtype}, {model.describe()}, slot {slot_bytes}; "
+        f"plans simulated up to {lim} ranks, closed forms above"
+    )
+    click.echo(("**" + head + "**\n") if markdown else f"# {head}")
+    click.echo(sim.format_table(rows, notes, markdown=markdown))
+    if closed_forms:
+        click.echo("")
+        forms = {name: sim.closed_form(collective, name, model.group_size, model.nslots) for name in names_shown(rows)}
+        click.echo(sim.format_closed_forms(forms, markdown=markdown))
+    if plot_path:
+        sim.plot(rows, plot_path, title=head)
