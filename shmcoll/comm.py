@@ -986,7 +986,8 @@ class Communicator:
         if kind in ("barrier", "p2p"):
             alg = registry.get(kind, "direct")
         else:
-            alg = choose(query, algorithm)
+            lay = self._arena.layout
+            alg = choose(query, algorithm, slot_bytes=lay.slot_bytes, nslots=lay.nslots)
         slot_count = self._arena.layout.slot_bytes // edt.itemsize
         plan = segment(alg, self._world_size, count, slot_count, root=root, inplace=inplace, peer=peer)
         if self._verify:
