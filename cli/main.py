@@ -8,6 +8,7 @@ import sys
 import click
 
 from shmcoll import __version__
+from shmcoll.cli.train import train
 from shmcoll.config import format_size, parse_size
 
 
@@ -218,6 +219,9 @@ def cleanup(dry_run, min_age) -> None:  # type: ignore[no-untyped-def]
     for name in stale:
         click.echo(f"{verb} /dev/shm/{name}")
     click.echo(f"{verb} {len(stale)} stale segment(s); {len(live)} belong to live jobs")
+
+
+main.add_command(train)
 
 
 if __name__ == "__main__":
