@@ -66,6 +66,12 @@ def train() -> None:
 )
 @click.option("--target-acc", type=float, default=None, help="Exit with status 1 if the held-out accuracy is below.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Loss curve to a PNG (the plot extra).")
+@click.option(
+    "--slot-bytes",
+    default=None,
+    help="Ring slot size of the ranks' communicator (K/M suffixes; default SHMCOLL_SLOT_BYTES or 64K). A bucket "
+    "moves in pieces of at most one slot: larger slots mean fewer hand-offs between ranks.",
+)
 @click.option("--timeout", type=float, default=None, help="Kill the ranks after this many seconds.")
 @click.option("--quiet", is_flag=True, help="Only the summary: no progress bar or per-epoch lines.")
 @click.option("--inject-divergence", type=int, default=None, hidden=True, help="Perturb rank 1 after step N (tests).")
@@ -86,6 +92,7 @@ def mnist(
     tolerance: float,
     target_acc: float | None,
     plot_path: str | None,
+    slot_bytes: str | None,
     timeout: float | None,
     quiet: bool,
     inject_divergence: int | None,
@@ -97,7 +104,13 @@ def mnist(
     held-out accuracy, and the time per step split into compute and communication.
     """
     import shmcoll
+    from shmcoll.config import parse_size
     from shmcoll.train import mnist as T
+
+    try:
+        slot_size = None if slot_bytes is None else parse_size(slot_bytes)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--slot-bytes") from None
 
     if plot_path:
         try:
@@ -118,6 +131,7 @@ def mnist(
         data_dir=data_dir,
         max_steps_per_epoch=steps_per_epoch,
         timeout_s=timeout,
+        slot_bytes=slot_size,
         progress=not quiet,
         inject_divergence_at=inject_divergence,
     )

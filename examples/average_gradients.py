@@ -30,6 +30,7 @@ Run: python examples/average_gradients.py [--nprocs N] [--steps S] [--quick]
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -167,11 +168,13 @@ def worker(comm: shmcoll.Communicator, sizes: tuple[int, ...], batch: int, steps
     for form in FORMS:
         model = Model(sizes, seed=0)  # the same initial weights on every rank
         bucket = np.empty(sum(p.data.size for p in model.parameters()), np.float32)
-        average: Callable[[], None] = {
-            "literal": lambda m=model: average_gradients_literal(comm, m),
-            "per_param": lambda m=model: average_gradients(comm, m),
-            "bucketed": lambda m=model, b=bucket: average_gradients_bucketed(comm, m, b),
-        }[form]
+        average: Callable[[], None]
+        if form == "literal":
+            average = functools.partial(average_gradients_literal, comm, model)
+        elif form == "per_param":
+            average = functools.partial(average_gradients, comm, model)
+        else:
+            average = functools.partial(average_gradients_bucketed, comm, model, bucket)
         comm.barrier()
         times, losses = [], []
         for xb, yb in batches(x, y, batch, steps, seed=2):

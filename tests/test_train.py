@@ -174,6 +174,7 @@ def test_config_validation() -> None:
         {"bucket_mb": 0},
         {"algorithm": "telepathy"},
         {"data_dir": "/nonexistent/mnist"},
+        {"slot_bytes": 100},
     ):
         with pytest.raises(ValueError):
             T.TrainConfig(**bad).validate()  # type: ignore[arg-type]
@@ -190,6 +191,8 @@ def test_cli_usage_errors(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert result.exit_code == 2 and "layer widths" in result.output
     result = runner.invoke(main, ["train", "mnist", "--algorithm", "telepathy"])
     assert result.exit_code == 2 and "telepathy" in result.output
+    result = runner.invoke(main, ["train", "mnist", "--slot-bytes", "lots"])
+    assert result.exit_code == 2 and "not a size" in result.output
     result = runner.invoke(main, ["train", "mnist", "--data-dir", str(tmp_path)])
     assert result.exit_code == 2 and "train-images-idx3-ubyte" in result.output
 
@@ -201,6 +204,7 @@ def test_train_mnist_equivalence_accuracy_buckets_and_plot(tmp_path) -> None:  #
     proc = _shmcoll(
         "train", "mnist", "-n", "2", "--epochs", "2", "--bucket-mb", "0.25", "--check-every", "20",
         "--check-equivalence", "--target-acc", "0.85", "--plot", str(png), "--quiet", "--timeout", "120",
+        "--slot-bytes", "256K",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout

@@ -33,6 +33,8 @@ from typing import Any, TextIO
 
 import numpy as np
 
+import shmcoll
+from shmcoll import ReduceOp
 from shmcoll.train.data import Dataset, as_features, load_bundled, load_idx_dir
 from shmcoll.train.mlp import MLP, SGD, warm_kernels
 
@@ -66,6 +68,7 @@ class TrainConfig:
     data_dir: str | None = None
     max_steps_per_epoch: int | None = None
     timeout_s: float | None = None
+    slot_bytes: int | None = None  # ring slot size of the ranks' communicator (None: SHMCOLL_SLOT_BYTES)
     progress: bool = False
     inject_divergence_at: int | None = None  # tests: perturb rank 1's parameters after this step
 
@@ -80,6 +83,10 @@ class TrainConfig:
             (len(self.hidden) >= 1 and all(h >= 1 for h in self.hidden), f"bad hidden sizes {self.hidden}"),
             (self.bucket_mb > 0, f"bucket size must be > 0 MiB, got {self.bucket_mb}"),
             (self.check_every >= 1, f"check_every must be >= 1, got {self.check_every}"),
+            (
+                self.slot_bytes is None or (self.slot_bytes >= 64 and self.slot_bytes % 64 == 0),
+                f"slot size must be a multiple of 64 bytes, got {self.slot_bytes}",
+            ),
             (
                 self.max_steps_per_epoch is None or self.max_steps_per_epoch >= 1,
                 f"max_steps_per_epoch must be >= 1, got {self.max_steps_per_epoch}",
@@ -127,17 +134,20 @@ class TrainResult:
         return self.epochs[-1].test_acc
 
     def step_times(self) -> dict[str, float]:
-        """Median seconds per step over all steps (the first excluded: it builds plans), per
-        component, taken on rank 0, and the slowest rank's median total."""
+        """Seconds per step on rank 0, over all steps but the first (it builds the plans): the mean
+        and the median of compute, communication and their sum, and the slowest rank's mean."""
         skip = 1 if len(self.losses) > 1 else 0
-        compute = float(np.median(self.compute_s[0][skip:]))
-        comm = float(np.median(self.comm_s[0][skip:]))
-        totals = [float(np.median(c[skip:] + m[skip:])) for c, m in zip(self.compute_s, self.comm_s, strict=True)]
+        compute, comm = self.compute_s[0][skip:], self.comm_s[0][skip:]
         return {
-            "compute": compute,
-            "comm": comm,
-            "total": float(np.median(self.compute_s[0][skip:] + self.comm_s[0][skip:])),
-            "slowest_total": max(totals),
+            "compute": float(np.mean(compute)),
+            "comm": float(np.mean(comm)),
+            "total": float(np.mean(compute + comm)),
+            "compute_median": float(np.median(compute)),
+            "comm_median": float(np.median(comm)),
+            "total_median": float(np.median(compute + comm)),
+            "slowest_total": max(
+                float(np.mean(c[skip:] + m[skip:])) for c, m in zip(self.compute_s, self.comm_s, strict=True)
+            ),
         }
 
 
@@ -231,8 +241,6 @@ def _evaluate(comm: Any, model: MLP, images: np.ndarray, labels: np.ndarray) -> 
 
 def rank_main(comm: Any, cfg: TrainConfig) -> dict[str, Any]:
     """One rank of a data-parallel run (called by :func:`train` through ``shmcoll.spawn``)."""
-    from shmcoll import ReduceOp
-
     data = _load(cfg)
     n_train = len(data.train_labels)
     rank, world = comm.rank, comm.world_size
@@ -254,7 +262,7 @@ def rank_main(comm: Any, cfg: TrainConfig) -> dict[str, Any]:
     compute_s = np.zeros(total_steps)
     comm_s = np.zeros(total_steps)
     sizes_seen = np.zeros(total_steps)
-    epochs: list[dict[str, float]] = []
+    epochs: list[EpochStats] = []
     checks = 0
     verbose = cfg.progress and rank == 0
     step = 0
@@ -295,17 +303,17 @@ def rank_main(comm: Any, cfg: TrainConfig) -> dict[str, Any]:
         bar.close()
         test_loss, test_acc = _evaluate(comm, model, data.test_images, data.test_labels)
         now = slice(first, step)
-        stats = {
-            "epoch": epoch + 1,
-            "train_loss": _weighted(losses[now], sizes_seen[now]),
-            "train_acc": _weighted(accs[now], sizes_seen[now]),
-            "test_loss": test_loss,
-            "test_acc": test_acc,
-            "seconds": time.monotonic() - started,
-        }
+        stats = EpochStats(
+            epoch=epoch + 1,
+            train_loss=_weighted(losses[now], sizes_seen[now]),
+            train_acc=_weighted(accs[now], sizes_seen[now]),
+            test_loss=test_loss,
+            test_acc=test_acc,
+            seconds=time.monotonic() - started,
+        )
         epochs.append(stats)
         if verbose:
-            print(format_epoch(EpochStats(**stats), cfg.epochs), flush=True)
+            print(format_epoch(stats, cfg.epochs), flush=True)
     if step % cfg.check_every:
         _check_replicas(comm, model.params, step)
         checks += 1
@@ -346,14 +354,12 @@ def train(cfg: TrainConfig) -> TrainResult:
         ValueError: a setting cannot work (checked before any process starts).
         shmcoll.SpawnError: a rank failed (e.g. :class:`ReplicaDivergenceError`), with its traceback.
     """
-    import shmcoll
-
     cfg.validate()
     _load(cfg)  # a missing or malformed data set fails here, once, not on every rank
     warm_kernels()
     started = time.monotonic()
     with single_threaded_children():
-        results = shmcoll.spawn(rank_main, cfg.nprocs, args=(cfg,), timeout=cfg.timeout_s)
+        results = shmcoll.spawn(rank_main, cfg.nprocs, args=(cfg,), timeout=cfg.timeout_s, slot_bytes=cfg.slot_bytes)
     wall = time.monotonic() - started
     head = results[0]
     return TrainResult(
@@ -362,7 +368,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         num_params=head["num_params"],
         buckets=head["buckets"],
         losses=head["losses"],
-        epochs=[EpochStats(**e) for e in head["epochs"]],
+        epochs=head["epochs"],
         compute_s=[r["compute_s"] for r in results],
         comm_s=[r["comm_s"] for r in results],
         digest_checks=head["checks"],
@@ -410,9 +416,11 @@ def format_summary(result: TrainResult) -> str:
     lines = [
         f"held-out accuracy {result.test_acc:.4f} after {cfg.epochs} epoch(s), {steps} steps "
         f"on {cfg.nprocs} rank(s), global batch {cfg.batch_size}",
-        f"time per step (median of {max(steps - 1, 1)}, rank 0): compute {t['compute'] * 1e3:.3f} ms, "
-        f"communication {t['comm'] * 1e3:.3f} ms, total {t['total'] * 1e3:.3f} ms "
-        f"(slowest rank {t['slowest_total'] * 1e3:.3f} ms)",
+        f"time per step, rank 0, mean (median) of {max(steps - 1, 1)} steps: "
+        f"compute {t['compute'] * 1e3:.3f} ms ({t['compute_median'] * 1e3:.3f}), "
+        f"communication {t['comm'] * 1e3:.3f} ms ({t['comm_median'] * 1e3:.3f}), "
+        f"total {t['total'] * 1e3:.3f} ms ({t['total_median'] * 1e3:.3f}); slowest rank's mean total "
+        f"{t['slowest_total'] * 1e3:.3f} ms",
         f"communication: {result.buckets} allreduce(op=AVG, algorithm={cfg.algorithm}) per step of "
         f"{(result.num_params + _STATS) * 4 / 2**20:.2f} MiB in all; replicas bitwise identical "
         f"({result.digest_checks} digest check(s)); wall time {result.wall_s:.1f}s",
