@@ -180,6 +180,36 @@ def test_config_validation() -> None:
             T.TrainConfig(**bad).validate()  # type: ignore[arg-type]
 
 
+def _result(losses: list[float], params: list[float]) -> T.TrainResult:
+    steps = len(losses)
+    return T.TrainResult(
+        config=T.TrainConfig(),
+        dataset="synthetic",
+        num_params=len(params),
+        buckets=1,
+        losses=np.array(losses),
+        epochs=[T.EpochStats(1, 0.5, 0.9, 0.5, 0.9, 1.0)],
+        compute_s=[np.full(steps, 1e-3)],
+        comm_s=[np.full(steps, 2e-3)],
+        digest_checks=1,
+        params=np.array(params, np.float32),
+        wall_s=1.0,
+    )
+
+
+def test_compare_flags_loss_curves_beyond_the_tolerance() -> None:
+    reference = _result([2.0, 1.0, 0.5], [0.0, 1.0])
+    close = T.compare(_result([2.0, 1.00001, 0.5], [0.0, 1.5]), reference, tolerance=1e-4)
+    assert close.ok and close.max_loss_diff == pytest.approx(1e-5) and close.max_param_diff == 0.5
+    far = T.compare(_result([2.0, 1.0, 0.6], [0.0, 1.0]), reference, tolerance=1e-4)
+    assert not far.ok and far.max_loss_diff == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="different numbers of steps"):
+        T.compare(_result([2.0], [0.0, 1.0]), reference, tolerance=1e-4)
+    times = reference.step_times()  # the first step is left out
+    assert times["compute"] == pytest.approx(1e-3) and times["total"] == pytest.approx(3e-3)
+    assert "held-out accuracy 0.9000" in T.format_summary(reference)
+
+
 def test_cli_usage_errors(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from shmcoll.cli.main import main  # here: shmcoll.cli is a package only once installed (package-dir)
 

@@ -8,7 +8,6 @@ gradient buffers; :mod:`shmcoll.train.data` loads the bundled MNIST subset or th
 from shmcoll.train.mlp import MLP, SGD
 from shmcoll.train.mnist import (
     Equivalence,
-    EquivalenceError,
     ReplicaDivergenceError,
     TrainConfig,
     TrainResult,
@@ -20,7 +19,6 @@ __all__ = [
     "MLP",
     "SGD",
     "Equivalence",
-    "EquivalenceError",
     "ReplicaDivergenceError",
     "TrainConfig",
     "TrainResult",

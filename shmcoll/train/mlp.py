@@ -150,6 +150,7 @@ class MLP:
 
     @property
     def num_layers(self) -> int:
+        """The number of dense layers."""
         return len(self.weights)
 
     def forward(self, x: np.ndarray) -> np.ndarray:

@@ -47,10 +47,6 @@ class ReplicaDivergenceError(RuntimeError):
     """The ranks' parameters stopped being bitwise identical."""
 
 
-class EquivalenceError(AssertionError):
-    """An N-rank run's loss curve differs from the single-process run's beyond the tolerance."""
-
-
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """What to train and how (see ``shmcoll train mnist --help`` for each option)."""
@@ -105,6 +101,9 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class EpochStats:
+    """One epoch: training loss and accuracy (over its steps' global batches), held-out loss and
+    accuracy after it, and its wall time."""
+
     epoch: int
     train_loss: float
     train_acc: float
@@ -156,7 +155,7 @@ def _digest(params: np.ndarray) -> np.ndarray:
     return np.frombuffer(hashlib.blake2b(params.tobytes(), digest_size=16).digest(), dtype=np.uint8).copy()
 
 
-def _check_replicas(comm: Any, params: np.ndarray, step: int) -> None:
+def _check_replicas(comm: shmcoll.Communicator, params: np.ndarray, step: int) -> None:
     digests = comm.allgather(_digest(params))
     differ = [r for r in range(comm.world_size) if not np.array_equal(digests[r], digests[0])]
     if differ:
@@ -231,7 +230,7 @@ def describe(cfg: TrainConfig) -> str:
     )
 
 
-def _evaluate(comm: Any, model: MLP, images: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
+def _evaluate(comm: shmcoll.Communicator, model: MLP, images: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
     """Held-out loss and accuracy, each rank evaluating its share of the images."""
     lo, hi = _shard(0, len(labels), comm.rank, comm.world_size)
     loss_sum, correct = model.evaluate(as_features(images[lo:hi]), labels[lo:hi].astype(np.int64))
@@ -239,7 +238,7 @@ def _evaluate(comm: Any, model: MLP, images: np.ndarray, labels: np.ndarray) -> 
     return float(totals[0]) / len(labels), float(totals[1]) / len(labels)
 
 
-def rank_main(comm: Any, cfg: TrainConfig) -> dict[str, Any]:
+def rank_main(comm: shmcoll.Communicator, cfg: TrainConfig) -> dict[str, Any]:
     """One rank of a data-parallel run (called by :func:`train` through ``shmcoll.spawn``)."""
     data = _load(cfg)
     n_train = len(data.train_labels)
