@@ -8,6 +8,10 @@ import sys
 import click
 
 from shmcoll import __version__
+from shmcoll.cli.plan import plan
+from shmcoll.cli.simulate import simulate
+from shmcoll.cli.train import train
+from shmcoll.cli.tune import tune
 from shmcoll.config import format_size, parse_size
 
 
@@ -220,13 +224,10 @@ def cleanup(dry_run, min_age) -> None:  # type: ignore[no-untyped-def]
     click.echo(f"{verb} {len(stale)} stale segment(s); {len(live)} belong to live jobs")
 
 
-# --- plan, simulate, tune (their own modules) ---------------------------------------------------
-from shmcoll.cli.plan import plan  # noqa: E402
-from shmcoll.cli.simulate import simulate  # noqa: E402
-from shmcoll.cli.tune import tune  # noqa: E402
-
+# --- commands in their own modules ----------------------------------------------------------
 main.add_command(plan)
 main.add_command(simulate)
+main.add_command(train)
 main.add_command(tune)
 
 if __name__ == "__main__":
