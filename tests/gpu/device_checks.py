@@ -23,40 +23,56 @@ SEED = 20261123
 
 
 # --- a device array from "another library" ------------------------------------------------------
-class SimArray:
-    """A third-party device array as the simulator sees one: it exposes only
-    ``__cuda_array_interface__``, whose pointer is a host address (simulated device memory is
-    host memory). It goes through ``Communicator._foreign`` like a CuPy array would."""
+class ForeignArray:
+    """A third-party device array (think CuPy): it exposes only ``__cuda_array_interface__``, so
+    calls on it go through ``Communicator._foreign`` as a CuPy array's would. ``base`` holds the
+    memory: a numba device array, or under the simulator a simulated one, whose interface then
+    points at host memory (simulated device memory is host memory)."""
 
-    def __init__(self, host: np.ndarray, readonly: bool = False) -> None:
-        self.host = host
+    def __init__(self, base: Any, readonly: bool = False) -> None:
+        self.base = base
         self.readonly = readonly
+
+    @classmethod
+    def of(cls, host: np.ndarray, readonly: bool = False) -> ForeignArray:
+        return cls(cuda.to_device(np.ascontiguousarray(host)), readonly)
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
-        h = self.host
+        if kernels.SIMULATOR:
+            h = self.base._ary
+            ptr, shape, strides = h.__array_interface__["data"][0], h.shape, h.strides
+            contiguous, typestr = h.flags.c_contiguous, h.dtype.str
+        else:
+            cai = self.base.__cuda_array_interface__
+            ptr, shape, strides, typestr = cai["data"][0], cai["shape"], cai["strides"], cai["typestr"]
+            contiguous = strides is None or self.base.is_c_contiguous()
         return {
-            "shape": h.shape,
-            "typestr": h.dtype.str,
-            "data": (h.__array_interface__["data"][0], self.readonly),
-            "strides": None if h.flags.c_contiguous else h.strides,
+            "shape": tuple(shape),
+            "typestr": typestr,
+            "data": (ptr, self.readonly),
+            "strides": None if contiguous else tuple(strides),
             "version": 3,
         }
 
-    def __getitem__(self, idx: Any) -> SimArray:
-        return SimArray(self.host[idx], self.readonly)
+    def __getitem__(self, idx: Any) -> ForeignArray:
+        return ForeignArray(self.base[idx], self.readonly)
 
-    def reshape(self, *shape: Any) -> SimArray:
-        return SimArray(self.host.reshape(*shape), self.readonly)
+    def reshape(self, *shape: Any) -> ForeignArray:
+        return ForeignArray(self.base.reshape(*shape), self.readonly)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.host.shape
+        return tuple(self.base.shape)
+
+    def copy_to_host(self) -> np.ndarray:
+        return self.base.copy_to_host()
+
+    def copy_to_device(self, host: np.ndarray) -> None:
+        self.base.copy_to_device(np.ascontiguousarray(host))
 
 
 def to_host(a: Any) -> np.ndarray:
-    if isinstance(a, SimArray):
-        return a.host.copy()
     return a.copy_to_host()
 
 
@@ -166,11 +182,11 @@ def check_kernels_for(dtype: np.dtype, count: int, nins: tuple[int, ...], **laun
 # --- collectives --------------------------------------------------------------------------------
 def dev(a: np.ndarray, foreign: bool) -> Any:
     """A device copy of ``a``: a foreign (CAI-only) array, or numba's own device array."""
-    return SimArray(a.copy()) if foreign else cuda.to_device(a)
+    return ForeignArray.of(a) if foreign else cuda.to_device(a)
 
 
 def empty(shape: tuple[int, ...], dtype: np.dtype, foreign: bool) -> Any:
-    return SimArray(np.zeros(shape, dtype)) if foreign else cuda.device_array(shape, dtype=dtype)
+    return ForeignArray.of(np.zeros(shape, dtype)) if foreign else cuda.device_array(shape, dtype=dtype)
 
 
 def call_device(comm: Any, case: Case, x: np.ndarray, foreign: bool) -> np.ndarray | None:
@@ -206,10 +222,7 @@ def call_device(comm: Any, case: Case, x: np.ndarray, foreign: bool) -> np.ndarr
         if case.inplace and at_root:
             out = empty((n, c), x.dtype, foreign)
             block = out[r]
-            if foreign:
-                block.host[...] = x
-            else:
-                block.copy_to_device(x)
+            block.copy_to_device(x)
             return back(run(k, block, out=out, **kw))
         return back(run(k, d, **kw))
     if k == "scatter":
