@@ -53,6 +53,7 @@ import ctypes
 import dataclasses
 import hashlib
 import importlib.metadata
+import itertools
 import logging
 import os
 import time
@@ -237,6 +238,9 @@ class CudaIpcBackend:
         pass  # dropping the last reference frees it (numba's deallocation queue)
 
 
+_WORKSPACE_NUMBERS = itertools.count(1)
+
+
 class HostShmBackend:
     """The simulator's IPC: simulated device memory is host memory, so workspaces are POSIX
     shared-memory segments that every rank maps. It runs the IPC protocol unchanged, which is
@@ -247,7 +251,6 @@ class HostShmBackend:
     def __init__(self, token: str, rank: int) -> None:
         self._token = token
         self._rank = rank
-        self._gen = 0
 
     def device_key(self) -> int:
         return _key(f"simulator:{os.uname().nodename}")
@@ -258,8 +261,10 @@ class HostShmBackend:
     def alloc(self, nbytes: int, label: str) -> tuple[Any, Any]:
         from shmcoll.shm.segment import Segment, segment_name
 
-        self._gen += 1
-        seg = Segment.create(segment_name(self._token, f"gpuws{self._rank}g{self._gen}"), nbytes, "a device workspace")
+        # Names carry the job token and this pid; the process-wide counter keeps the workspaces of
+        # a communicator and of its sub-communicators (same token, same process) apart.
+        name = segment_name(self._token, f"gpuws{self._rank}n{next(_WORKSPACE_NUMBERS)}")
+        seg = Segment.create(name, nbytes, "a device workspace")
         fake = _fake_array_type()
         assert fake is not None
         return fake(seg.array(np.uint8)), seg
