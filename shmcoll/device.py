@@ -438,7 +438,7 @@ def _p2p(comm: Any, dev: Any, name: str, x: Any, dst: Any = None, src: Any = Non
     return None if name == "send" else x
 
 
-_COLLECTIVES = {
+_COLLECTIVES: dict[str, Any] = {
     "allreduce": _allreduce,
     "reduce": _reduce,
     "broadcast": _broadcast,

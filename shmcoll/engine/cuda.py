@@ -131,7 +131,7 @@ def _c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...] | None, items
     return True
 
 
-def _fake_array_type() -> type | None:
+def _fake_array_type() -> Any:
     if not SIMULATOR:
         return None
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
@@ -561,7 +561,7 @@ class DeviceEngine:
     def _sync(self) -> None:
         # timing=False: an event without timestamps is the cheap kind to synchronise on (the
         # simulator's event takes no arguments).
-        ev = cuda.event() if SIMULATOR else cuda.event(timing=False)
+        ev = cuda.event() if SIMULATOR else cuda.event(timing=False)  # type: ignore[call-arg]
         ev.record(self.stream)
         ev.synchronize()
 
