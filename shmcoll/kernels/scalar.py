@@ -11,32 +11,47 @@ for complex values, numpy's floor division for integers.
 The engine is compiled once per dtype with every op in it, so each combiner must *type* for
 every dtype; where the op is not defined for a dtype (bitwise ops on floats, order on complex)
 it compiles to a placeholder that ``types.supports`` guarantees is never executed.
+
+Jitted code (the CPU engine, and the CUDA kernels compiled by numba-cuda) uses the overloads
+below. Called from plain Python, each combiner runs its numpy ufunc on numpy scalars instead:
+that is what the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) executes, since it runs kernels as
+Python. The two agree by construction, as the overloads implement the ufuncs' semantics.
 """
 
 from __future__ import annotations
 
+import numpy as np
 from numba import types
 from numba.extending import overload
 
 SUM, PROD, MIN, MAX, AVG, BAND, BOR, BXOR = range(8)
 
 
-def _stub(name: str):  # type: ignore[no-untyped-def]
+def _python(name: str, ufunc):  # type: ignore[no-untyped-def]
+    # A fresh function object per combiner: @overload keys on it.
     def fn(a, b):  # type: ignore[no-untyped-def]
-        raise NotImplementedError(f"{name} is only callable from jitted code")
+        return ufunc(a, b)
 
     fn.__name__ = fn.__qualname__ = name
     return fn
 
 
-add = _stub("add")
-multiply = _stub("multiply")
-minimum = _stub("minimum")
-maximum = _stub("maximum")
-bit_and = _stub("bit_and")
-bit_or = _stub("bit_or")
-bit_xor = _stub("bit_xor")
-divide_count = _stub("divide_count")
+def divide_count(value, count):  # type: ignore[no-untyped-def]
+    """AVG's final step on a numpy scalar (see the module docstring)."""
+    if isinstance(value, np.integer):
+        return np.floor_divide(value, value.dtype.type(count))
+    if isinstance(value, np.complexfloating):
+        return value.dtype.type(complex(value.real / count, value.imag / count))
+    return value / count
+
+
+add = _python("add", np.add)
+multiply = _python("multiply", np.multiply)
+minimum = _python("minimum", np.minimum)
+maximum = _python("maximum", np.maximum)
+bit_and = _python("bit_and", np.bitwise_and)
+bit_or = _python("bit_or", np.bitwise_or)
+bit_xor = _python("bit_xor", np.bitwise_xor)
 
 _ORDERED = (types.Integer, types.Float, types.Boolean)
 _BITWISE = (types.Integer, types.Boolean)
