@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from click.testing import CliRunner
+
 from shmcoll.cli.main import main
 
 SMALL = ["-n", "2", "-b", "8", "-e", "2K", "-f", "4", "--iters", "3", "--warmup", "1", "--quiet"]
