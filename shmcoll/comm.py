@@ -16,6 +16,7 @@ import itertools
 import logging
 import os
 import pickle
+import sys
 import time
 import weakref
 from collections.abc import Sequence
@@ -837,6 +838,8 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
+        if "shmcoll.device" in sys.modules:  # never import CUDA just to close
+            sys.modules["shmcoll.device"].forget(self)
         self._calls.clear()
         self._scratch.clear()
         if self._broken is None:
@@ -881,7 +884,8 @@ class Communicator:
         probe = kwargs.get("out") if x is None else x
         if isinstance(probe, SharedArray):
             return self._call_registered(name, x, **kwargs)
-        if hasattr(probe, "__cuda_array_interface__"):
+        # Device arrays; the CUDA simulator's have no interface, only __cuda_ndarray__.
+        if hasattr(probe, "__cuda_array_interface__") or getattr(probe, "__cuda_ndarray__", False):
             from shmcoll import device
 
             return device.call(self, name, x, **kwargs)

@@ -28,7 +28,7 @@ import numpy as np
 
 from shmcoll.types import DTYPE_CODE, ReduceOp, supports, valid_ops
 
-__all__ = ["call", "configure", "release"]
+__all__ = ["call", "configure", "forget", "release"]
 
 _ENGINES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _SETTINGS: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
@@ -78,6 +78,13 @@ def release(comm: Any, *, timeout: float | None = None) -> None:
     eng = _ENGINES.get(comm)
     if eng is not None:
         eng.release(comm, timeout)
+
+
+def forget(comm: Any) -> None:
+    """Drop ``comm``'s device engine when it closes (local: its workspaces and peer mappings are
+    freed once nothing else holds them)."""
+    _ENGINES.pop(comm, None)
+    _SETTINGS.pop(comm, None)
 
 
 def call(comm: Any, name: str, x: Any, **kwargs: Any) -> Any:
@@ -221,7 +228,7 @@ def _fail(comm: Any, kind: str, exc: BaseException) -> None:
 
     if isinstance(exc, ShmcollError):
         return
-    comm.abort(f"device {kind} failed on rank {comm.rank}: {type(exc).__name__}: {exc}")
+    comm._abort_for_error(f"device {kind} failed: {type(exc).__name__}: {exc}")
 
 
 # --- the methods ---------------------------------------------------------------------------------
