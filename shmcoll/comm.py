@@ -70,6 +70,13 @@ _P2P_KIND = KIND_CODE["p2p"]
 _NOT_ZERO_COPY = frozenset({"scatter", "send", "recv"})
 _ALLOCATIONS = itertools.count()  # segment names of alloc() calls, unique in this process
 _MAX_CACHED_CALLS = 512  # plans kept per communicator
+_ABORT_REASONS = {
+    L.ABORT_USER: "abort() was called",
+    L.ABORT_TIMEOUT: "a collective timed out",
+    L.ABORT_PEER_LOST: "a peer process died",
+    L.ABORT_MISMATCH: "ranks called mismatched collectives",
+    L.ABORT_ERROR: "failed (an error on that rank, in its own code or its device work)",
+}
 
 
 class _RankPrefix(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -1275,7 +1282,7 @@ class Communicator:
             )
             self._broken = msg
             raise CollectiveMismatchError(msg)
-        reason = L.ABORT_REASONS.get(code, f"abort code {code}")
+        reason = _ABORT_REASONS.get(code, f"abort code {code}")
         msg = f"{where}: {who}: {reason}"
         self._broken = msg
         raise CommunicatorBrokenError(msg)

@@ -72,13 +72,6 @@ ABORT_TIMEOUT = 2
 ABORT_PEER_LOST = 3
 ABORT_MISMATCH = 4
 ABORT_ERROR = 5
-ABORT_REASONS = {
-    ABORT_USER: "abort() was called",
-    ABORT_TIMEOUT: "a collective timed out",
-    ABORT_PEER_LOST: "a peer process died",
-    ABORT_MISMATCH: "ranks called mismatched collectives",
-    ABORT_ERROR: "a rank failed",
-}
 # Channel control fields (offsets from the channel's first word).
 C_HEAD = 0
 C_TAIL_WAITERS = 1
