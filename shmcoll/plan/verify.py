@@ -9,7 +9,8 @@ a Kahn network with bounded buffers: whether it deadlocks does not depend on the
 one schedule decides it.
 
 Checked: every receive meets a send of the same count; nothing blocks forever (deadlock); no
-message is left over; the collective's postcondition on every rank that has an output; every
+message is left over; an out-of-place call leaves its input as it was; the collective's
+postcondition on every rank that has an output; every
 reduced element is a combination of each rank's contribution exactly once, divided once; and
 every rank holding an element of an allreduce holds the *same expression* for it, operand order
 included, so results are bitwise identical across ranks. A barrier must leave every rank having
@@ -246,6 +247,12 @@ def _check_reduction(value: Value, expected: set[tuple[int, int]], where: str) -
 def _check(kind: str, ranks: list[_Rank], world_size: int, count: int, root: int, peer: int, label: str) -> None:
     n = world_size
     outs = [rk.out() for rk in ranks]
+    for r, rk in enumerate(ranks):
+        storage, off = rk.bufs[Buf.IN]
+        if storage is not rk.bufs[Buf.OUT][0]:  # out of place: the caller's input must survive
+            changed = [i for i, v in enumerate(storage[off:]) if v != ("x", r, i)]
+            if changed:
+                raise PlanError(f"{label}: rank {r} overwrites its input (elements {changed[:5]}) out of place")
 
     def expect(r: int, i: int, value: Value) -> None:
         if outs[r][i] != value:

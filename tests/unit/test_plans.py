@@ -39,6 +39,20 @@ def test_verifier_accepts_every_plan(collective: str, name: str) -> None:
 
 
 @pytest.mark.parametrize(("collective", "name"), ALL)
+def test_no_step_moves_more_than_one_slot(collective: str, name: str) -> None:
+    alg = registry.get(collective, name)
+    for n in (1, 2, 3, 5, 8):
+        for slot in (1, 3, 7):
+            for count in (0, 5, 4 * n * slot + 3):
+                plan = segment(alg, n, count, slot, root=n - 1, peer=0 if n > 1 else 0)
+                for part in (plan.body, plan.tail):
+                    for r, program in enumerate(part.programs if part else []):
+                        for s in program:
+                            if s.recv is not None or s.send is not None:
+                                assert s.count <= slot, f"{collective}/{name} n={n} rank {r}: {s} > {slot}"
+
+
+@pytest.mark.parametrize(("collective", "name"), ALL)
 def test_in_place_never_changes_messages(collective: str, name: str) -> None:
     """Ranks choose in place independently, so it may change only local steps."""
     alg = registry.get(collective, name)
@@ -188,6 +202,15 @@ def test_race_check_catches_overwriting_what_a_peer_still_reads() -> None:
     # Without the middle sync, a rank copies a peer's finished chunk before it is finished.
     with pytest.raises(PlanError, match="missing synchronisation|still"):
         verify(_drop_sync("allreduce", 1), world_size=2, count=6)
+
+
+def test_verifier_catches_a_clobbered_input() -> None:
+    plan = _direct("allgather", n=2, count=3)
+    programs = [list(p) for p in plan.tail.programs]
+    programs[0].append(Step(count=3, a=Region(Buf.OUT, 3), dst=Region(Buf.IN, 0)))
+    bad = dataclasses.replace(plan, tail=dataclasses.replace(plan.tail, programs=programs))
+    with pytest.raises(PlanError, match="overwrites its input"):
+        verify(bad, world_size=2, count=3)
 
 
 def test_race_check_catches_returning_while_a_peer_reads() -> None:
