@@ -180,11 +180,13 @@ class Communicator:
         self._ctrl = arena.ctrl
         cores = len(os.sched_getaffinity(0))
         oversubscribed = self._world_size > cores
-        spin = cfg.spin if cfg.spin is not None else (64 if oversubscribed else 20_000)
+        # Busy-wait only while the peer is likely running on another core: a few microseconds
+        # when ranks outnumber cores (the peer may need *this* core), tens otherwise.
+        spin_us = cfg.spin if cfg.spin is not None else (1 if oversubscribed else 20)
         self._state = engine.new_state(
             arena.layout,
             rank,
-            spin=spin,
+            spin_ns=spin_us * 1000,
             yields=256 if oversubscribed else 32,
             sleep_ns=_SLEEP_NS,
             slice_ns=_SLICE_NS,

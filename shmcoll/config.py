@@ -9,7 +9,7 @@ variable                    meaning                                             
 SHMCOLL_TIMEOUT             seconds a collective may wait for its peers                  60
 SHMCOLL_SLOT_BYTES          payload bytes of one ring slot (K/M suffixes)                64K
 SHMCOLL_NSLOTS              slots per ring                                               4
-SHMCOLL_SPIN                busy-wait iterations before yielding (auto: by core count)  auto
+SHMCOLL_SPIN                microseconds of busy-waiting before yielding                auto
 SHMCOLL_DEBUG               log level of the ``shmcoll`` logger: INFO, TRACE, DEBUG     (off)
 SHMCOLL_ALGO                algorithm overrides, e.g. ``allreduce:ring,broadcast:dbtree``
 SHMCOLL_GROUP_SIZE          ranks per group for the hierarchical algorithm               topology

@@ -180,9 +180,21 @@ class Group:
         """Abort the job's communicator from the owner (the launcher after a rank failed)."""
         if self._arena is None:
             return
-        state = engine.new_state(self._arena.layout, -1, spin=0, yields=0, sleep_ns=0, slice_ns=0)
+        state = engine.new_state(self._arena.layout, -1, spin_ns=0, yields=0, sleep_ns=0, slice_ns=0)
         state[engine.S_RANK] = -1
         engine.raise_abort(self._arena.ctrl, state, code, failed_rank, 0, 0, 0, 0, 0)
+
+    def culprit(self) -> int | None:
+        """The rank the communicator's abort word blames, if any: the one a rank found lost, or
+        the one that failed by itself (owner only)."""
+        if self._arena is None:
+            return None
+        info = self._arena.abort_info()
+        if info["code"] == L.ABORT_PEER_LOST:
+            return info["peer"]
+        if info["code"] == L.ABORT_ERROR and info["origin"] >= 0:
+            return info["origin"]
+        return None
 
     def rank_record(self, rank: int, field: int) -> int:
         """A field of a rank's record (owner only), for launcher diagnostics."""
@@ -569,17 +581,20 @@ def _join_children(group: Group, children: list[_Child], timeout: float | None, 
     grace_end: float | None = None
     while True:
         codes = [c.poll() for c in children]
-        if all(code is not None for code in codes):
-            break
         now = time.monotonic()
         if first is None:
-            for rank, code in enumerate(codes):
-                if code not in (None, 0):
-                    first = (rank, code)
-                    print(f"shmcoll run: rank {rank} {_describe_exit(code)}; stopping the others", file=out)
-                    group.abort(rank, L.ABORT_PEER_LOST if code < 0 else L.ABORT_ERROR)
-                    grace_end = now + _GRACE_S
-                    break
+            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                # Several may have exited since the last look: the arena knows which one the
+                # others lost, or which failed on its own; otherwise take the lowest rank.
+                culprit = group.culprit()
+                first = next(((r, c) for r, c in failed if r == culprit), failed[0])
+                rank, code = first
+                print(f"shmcoll run: rank {rank} {_describe_exit(code)}; stopping the others", file=out)
+                group.abort(rank, L.ABORT_PEER_LOST if code < 0 else L.ABORT_ERROR)
+                grace_end = now + _GRACE_S
+        if all(code is not None for code in codes):
+            break
         if grace_end is not None and now > grace_end:
             _dump_and_kill([c for c in children if c.poll() is None])
             break

@@ -14,7 +14,7 @@ carry on. Jitted code never raises; it returns a status and leaves details in ``
 
 Waiting, in three stages, because ranks often outnumber cores here:
 
-1. spin with ``pause`` (``S_SPIN`` times): the hand-off costs ~60 ns when the peer runs on
+1. spin with ``pause`` (for ``S_SPIN_NS``): the hand-off costs ~60 ns when the peer runs on
    another core;
 2. ``sched_yield`` (``S_YIELDS`` times): when the peer waits for *our* core, spinning would
    stall both until the scheduler's tick, milliseconds per hand-off;
@@ -117,7 +117,7 @@ MISMATCH = 3
     S_PIECE,
     S_PHASE,
     S_TAG_SEQ,
-    S_SPIN,
+    S_SPIN_NS,
     S_YIELDS,
     S_SLEEP_NS,
     S_SLICE_NS,
@@ -157,15 +157,20 @@ def _wait(ctrl, word, target, waiters, state, peer, row):  # type: ignore[no-unt
     """Wait until ``ctrl[word] >= target``: spin, then yield, then sleep on the futex."""
     if load_acquire(ctrl, word) >= target:
         return OK
-    spin = state[S_SPIN]
+    # Spin for a bounded *time*, not a count: a pause costs 10 to 150 cycles depending on the
+    # CPU, and a spin that outlasts the peer's time slice only keeps the peer off the core.
+    spin_end = monotonic_ns() + state[S_SPIN_NS]
     i = 0
-    while i < spin:
+    while True:
         cpu_pause()
         if load_acquire(ctrl, word) >= target:
             return OK
         i += 1
-        if (i & 1023) == 0 and load_acquire(ctrl, AB_CODE) != 0:
-            return ABORTED
+        if (i & 63) == 0:
+            if monotonic_ns() >= spin_end:
+                break
+            if load_acquire(ctrl, AB_CODE) != 0:
+                return ABORTED
     slice_end = monotonic_ns() + state[S_SLICE_NS]
     yields = state[S_YIELDS]
     j = 0
@@ -401,14 +406,14 @@ def raise_abort(ctrl, state, code, peer, seq, sig, step, detail, own_seq):  # ty
     return first
 
 
-def new_state(layout, rank: int, *, spin: int, yields: int, sleep_ns: int, slice_ns: int):  # type: ignore[no-untyped-def]
+def new_state(layout, rank: int, *, spin_ns: int, yields: int, sleep_ns: int, slice_ns: int):  # type: ignore[no-untyped-def]
     """A fresh engine state for ``rank`` of an arena with this ``layout``."""
     import numpy as np
 
     state = np.zeros(state_size(layout.world_size), dtype=np.int64)
     state[S_RANK] = rank
     state[S_WORLD] = layout.world_size
-    state[S_SPIN] = spin
+    state[S_SPIN_NS] = spin_ns
     state[S_YIELDS] = yields
     state[S_SLEEP_NS] = sleep_ns
     state[S_SLICE_NS] = slice_ns

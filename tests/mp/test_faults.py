@@ -94,9 +94,12 @@ def _timeout(comm):  # type: ignore[no-untyped-def]
 def test_timeout_names_missing_peers_and_their_activity() -> None:
     results = shmcoll.spawn(_timeout, nprocs=3, timeout=120)
     assert results[2] is None
+    # Whichever of ranks 0 and 1 times out first aborts the other, which may have started its
+    # call later: only the first must have waited the whole timeout.
+    assert max(results[0][0], results[1][0]) > 0.45, results
     for rank in (0, 1):
         elapsed, msg = results[rank]
-        assert 0.4 < elapsed < 3.0, elapsed
+        assert elapsed < 3.0, elapsed
         assert "timed out" in msg and "waiting for rank 2" in msg
         assert "rank 2: not arrived (not in a call); last completed" in msg
 
