@@ -243,9 +243,9 @@ def allreduce(ctx: Context) -> None:
                 # The turn, higher side. The lower side's final recv-reduce is followed by the
                 # send of the same chunk, which the fuse pass merges so the chunk leaves as it
                 # is computed. Both sides must not: with one slot per ring, each fused step
-                # would wait for a slot the other has not yet emptied. A zero-count step keeps
-                # the pass from fusing here; sending before receiving keeps the hop count.
-                ctx.emit(rank, Step(count=0, a=mine, dst=mine))
+                # would wait for a slot the other has not yet emptied. A fence keeps the pass
+                # from fusing here; sending before receiving keeps the hop count.
+                ctx.no_fuse(rank)
             ctx.send(rank, peer, mine, mine_cnt)
             ctx.recv(rank, peer, theirs, theirs_cnt)
             if extra is not None and j == rounds - 1:

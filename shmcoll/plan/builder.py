@@ -98,6 +98,12 @@ class Context:
         """``dst = x (op) y`` from this rank's own buffers."""
         self.emit(rank, Step(count=count, a=x, b=y, dst=dst, reduce=True, final=final))
 
+    def no_fuse(self, rank: int) -> None:
+        """Keep ``rank``'s previous step and its next one apart: the fuse pass will not merge
+        a receive with the send that follows it here (see ``passes.fuse`` for why a cycle of
+        fused steps can deadlock)."""
+        self.emit(rank, Step(count=0, fence=True))
+
     def plan(self) -> Plan:
         return Plan(
             kind=self.kind,

@@ -129,10 +129,15 @@ class Step:
     reduce: bool = False
     final: bool = False
     recv_left: bool = False
+    fence: bool = False  # no-op: keeps the fuse pass from merging across it, which then drops it
 
     def __post_init__(self) -> None:
         if self.count < 0:
             raise ValueError(f"negative count in {self}")
+        if self.fence:
+            if self.count or self.recv is not None or self.send is not None or self.dst is not None:
+                raise ValueError("a fence does nothing else")
+            return
         if self.reduce:
             if self.recv is None and (self.a is None or self.b is None):
                 raise ValueError("a local reduce needs regions a and b")
@@ -179,6 +184,8 @@ class Step:
         return x, y
 
     def __str__(self) -> str:
+        if self.fence:
+            return "fence"
         if self.reduce:
             x, y = self.operands()
             value = f"{x} (op) {y}" + (" /n" if self.final else "")

@@ -9,7 +9,10 @@ and the plan (and its verification) costs the same for 8 bytes as for 8 GiB.
 **Fusing.** ``recv -> R`` immediately followed by ``send R`` becomes one step that reads the
 incoming slot once and writes both the outgoing slot and ``R`` (dropping ``R`` when it is scratch
 that nothing reads later). That is the recv-reduce-send of ring and tree pipelines: without it,
-every forwarded segment would be re-read from memory.
+every forwarded segment would be re-read from memory. A fused step needs an incoming message and
+a free outgoing slot *at once*, so in a cycle of ranks where every ring is full (one slot per
+ring) fused steps can wait on each other forever; builders break such cycles with
+``ctx.no_fuse(rank)``, a fence this pass respects and then removes.
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ def fuse(plan: Plan) -> Plan:
                 out.append(dataclasses.replace(s, send=t.send, dst=s.dst if keep else None))
                 i += 2
                 continue
-            out.append(s)
+            if not s.fence:
+                out.append(s)
             i += 1
         fused_programs.append(out)
     return dataclasses.replace(plan, programs=fused_programs)
