@@ -62,6 +62,16 @@ class _Hop:
     forward: bool = True
 
 
+def _partials(ctx: Context, hops: int, count: int) -> list[Region]:
+    """Scratch for the partial sums of reduce-scatter steps ``1..hops``, one region per step.
+
+    Each is forwarded as soon as it is made, so the fuse pass drops the store and no scratch is
+    ever written (but at a held step). Separate regions are what lets it: fuse keeps a scratch
+    store if any later step reads the same region, even after overwriting it.
+    """
+    return [ctx.tmp(count) for _ in range(hops)]
+
+
 def hold(ctx: Context, rank: int, region: Region) -> None:
     """Keep the preceding receive into ``region`` and the send of ``region`` as two steps.
 
@@ -105,8 +115,7 @@ def allreduce(ctx: Context) -> None:
             ctx.copy(0, _at(Buf.IN), _at(Buf.OUT), count)
         return
     chunks = split(count, n)
-    # Running partial sums: forwarded as soon as they are made, so fuse drops this store.
-    partial = ctx.tmp(chunks[0][1])
+    partials = _partials(ctx, n - 2, chunks[0][1])
     for r in range(n):
         hops = []
         for j in range(1, n):
@@ -116,7 +125,7 @@ def allreduce(ctx: Context) -> None:
             # (chunk r + 1) is finished here, once, and its forward is allgather step 0. In
             # place, IN[off] is read for the only time in the step that may overwrite it,
             # element by element: safe.
-            acc = _at(Buf.OUT, off) if last else partial
+            acc = _at(Buf.OUT, off) if last else partials[j - 1]
             hops.append(_Hop(c, acc, own=_at(Buf.IN, off), final=last))
         for t in range(n - 1):
             # Allgather step t: chunk r - t, finished elsewhere; store it and pass it on.
@@ -135,14 +144,14 @@ def reduce_scatter(ctx: Context) -> None:
         if not ctx.inplace:
             ctx.copy(0, ctx.block_region(Buf.IN, 0), _at(Buf.OUT), count)
         return
-    partial = ctx.tmp(count)
+    partials = _partials(ctx, n - 2, count)
     for r in range(n):
         hops = []
         for j in range(1, n):
             block = (r - 1 - j) % n
             last = j == n - 1  # then block == r
             # In place, OUT is IN's block r: read and overwritten only in this last step.
-            acc = _at(Buf.OUT) if last else partial
+            acc = _at(Buf.OUT) if last else partials[j - 1]
             hops.append(_Hop(count, acc, own=ctx.block_region(Buf.IN, block), final=last, forward=not last))
         # One block behind allreduce's schedule, so that the last block in is our own.
         ctx.send(r, (r + 1) % n, ctx.block_region(Buf.IN, (r - 1) % n), count)
