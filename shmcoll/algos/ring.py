@@ -11,9 +11,10 @@ copies of that result, so results are bitwise identical everywhere.
 
 Each received-and-forwarded value is written as "receive (and reduce) into R, then send R", which
 ``passes.fuse`` turns into one step that reads the incoming slot once and writes the outgoing slot
-directly. Partial sums go to scratch, which the fuse pass then drops, so they never touch memory
-outside the slots: per element, a rank's in-flight work is one slot read, one input read and one
-slot write.
+directly. Partial sums go to scratch, whose store the fuse pass then drops: a reduce-scatter step
+reads one slot and the input and writes one slot, nothing else; an allgather step reads one slot
+and writes the output and one slot. At each step index one rank keeps the two apart (it stores,
+then re-reads from cache) so that the ring cannot deadlock with one slot per ring; see ``_take``.
 
 **reduce_scatter** is allreduce's first phase on blocks (rank ``r`` ends with block ``r``);
 **allgather** its second phase on blocks.
