@@ -1,9 +1,11 @@
 """Algorithms: one module per algorithm, each registering builders for the collectives it serves."""
 
 from shmcoll.algos import (  # noqa: F401  (importing registers)
+    dbtree,
     direct,
     halving_doubling,
     pairwise,
     ps,
+    ring,
     zerocopy,
 )

@@ -1,0 +1,207 @@
+"""``ring``: every rank talks only to its neighbours, ``rank - 1`` (left) and ``rank + 1`` (right).
+
+**allreduce** is a reduce-scatter followed by an allgather, both around the ring. A piece is cut
+into ``n`` chunks. In reduce-scatter step ``j`` (``0 <= j < n-1``) rank ``r`` sends chunk
+``r - j`` to the right and receives chunk ``r - j - 1`` from the left, combining it with its own
+copy; after ``n-1`` steps rank ``r`` holds chunk ``r + 1`` fully reduced. Allgather step ``t``
+then sends chunk ``r + 1 - t`` and receives chunk ``r - t``, stored and forwarded unchanged. Chunk
+``k`` is folded in ring order starting at rank ``k``, ``((x_k (op) x_k+1) (op) ...) (op) x_k-1``,
+by exactly one rank (the one that applies ``final``, AVG's division); every other rank receives
+copies of that result, so results are bitwise identical everywhere.
+
+Each received-and-forwarded value is written as "receive (and reduce) into R, then send R", which
+``passes.fuse`` turns into one step that reads the incoming slot once and writes the outgoing slot
+directly. Partial sums go to scratch, whose store the fuse pass then drops: a reduce-scatter step
+reads one slot and the input and writes one slot, nothing else; an allgather step reads one slot
+and writes the output and one slot. At each step index one rank keeps the two apart (it stores,
+then re-reads from cache) so that the ring cannot deadlock with one slot per ring; see ``_take``.
+
+**reduce_scatter** is allreduce's first phase on blocks (rank ``r`` ends with block ``r``);
+**allgather** its second phase on blocks.
+
+**broadcast** and **reduce** are pipelined chains: ``root, root+1, ..., root-1`` for broadcast
+(each rank receives a piece and forwards it), ``root+1, ..., root-1, root`` for reduce (each rank
+adds its own value and forwards; the root finishes). Pipelining comes from the pieces: a rank
+forwards piece ``p`` while its predecessor already sends piece ``p + 1``, so a call of many pieces
+costs about ``pieces + n - 2`` hops rather than ``pieces * (n - 1)``.
+
+Rounds per piece (``n`` ranks): allreduce ``2(n-1)``; reduce_scatter, allgather ``n-1``;
+broadcast and reduce ``n-1`` (chain latency; ``1`` in steady state when pipelined).
+Bytes sent per rank, for ``V`` bytes per rank's vector: allreduce ``2 (n-1)/n V``;
+reduce_scatter and allgather ``(n-1) B`` for blocks of ``B`` bytes (``(n-1)/n`` of
+reduce_scatter's input); broadcast and reduce ``V`` on every rank but the chain's end (0).
+Constraints: none; every world size, count (0 included), root and in-place combination. An
+allreduce piece is ``n`` slots' worth (each chunk one slot), the others one slot per block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shmcoll.algos.registry import register
+from shmcoll.plan.builder import Context, split
+from shmcoll.plan.ir import Buf, Region
+
+
+def _allreduce_piece(slot_count: int, world_size: int) -> int:
+    # n chunks of at most one slot each: every step moves one chunk.
+    return world_size * slot_count
+
+
+def _at(buf: Buf, off: int = 0) -> Region:
+    return Region(buf, off)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hop:
+    """One message a rank takes from its left neighbour: where it goes, and whether it moves on."""
+
+    count: int
+    dst: Region
+    own: Region | None = None  # combine with this local value (the received one on the left)
+    final: bool = False
+    forward: bool = True
+
+
+def _partials(ctx: Context, hops: int, count: int) -> list[Region]:
+    """Scratch for the partial sums of reduce-scatter steps ``1..hops``, one region per step.
+
+    Each is forwarded as soon as it is made, so the fuse pass drops the store and no scratch is
+    ever written (but at a held step). Separate regions are what lets it: fuse keeps a scratch
+    store if any later step reads the same region, even after overwriting it.
+    """
+    return [ctx.tmp(count) for _ in range(hops)]
+
+
+def _take(ctx: Context, rank: int, hops: list[_Hop]) -> None:
+    """Rank ``rank``'s receives from the left in a ring pass (after its first send to the right).
+
+    Why some steps stay unfused: a fused receive-and-forward needs an incoming message *and* a
+    free outgoing slot at once. After every rank's first send, each ring channel holds one
+    message; with one slot per ring (allowed, and what the verifier tries first) every channel
+    is then full and no fused step can start: deadlock. If at each step index one rank receives
+    first and sends afterwards, its receive frees a slot, the others fire one after another
+    behind it, and its send follows. Which rank does that rotates with the step index, so the
+    small cost (the forwarded value is stored, then read back from cache) is spread evenly; with
+    more slots nobody waits on it.
+    """
+    n = ctx.world_size
+    left, right = (rank - 1) % n, (rank + 1) % n
+    for j, hop in enumerate(hops, start=1):
+        if hop.own is None:
+            ctx.recv(rank, left, hop.dst, hop.count)
+        else:
+            ctx.recv_reduce(rank, left, hop.own, hop.dst, hop.count, final=hop.final, received_left=True)
+        if hop.forward:
+            if (j - 1) % n == rank:
+                ctx.no_fuse(rank)
+            ctx.send(rank, right, hop.dst, hop.count)
+
+
+@register("allreduce", "ring", piece=_allreduce_piece)
+def allreduce(ctx: Context) -> None:
+    """Reduce-scatter then allgather around the ring; ``2(n-1)`` steps, ``2(n-1)/n`` of the data sent."""
+    n, count = ctx.world_size, ctx.count
+    if n == 1:
+        if not ctx.inplace:
+            ctx.copy(0, _at(Buf.IN), _at(Buf.OUT), count)
+        return
+    chunks = split(count, n)
+    partials = _partials(ctx, n - 2, chunks[0][1])
+    for r in range(n):
+        hops = []
+        for j in range(1, n):
+            off, c = chunks[(r - j) % n]
+            last = j == n - 1
+            # Reduce-scatter step j: chunk r - j, folded so far from rank r - j on. The last one
+            # (chunk r + 1) is finished here, once, and its forward is allgather step 0. In
+            # place, IN[off] is read for the only time in the step that may overwrite it,
+            # element by element: safe.
+            acc = _at(Buf.OUT, off) if last else partials[j - 1]
+            hops.append(_Hop(c, acc, own=_at(Buf.IN, off), final=last))
+        for t in range(n - 1):
+            # Allgather step t: chunk r - t, finished elsewhere; store it and pass it on.
+            off, c = chunks[(r - t) % n]
+            hops.append(_Hop(c, _at(Buf.OUT, off), forward=t < n - 2))
+        off, c = chunks[r]
+        ctx.send(r, (r + 1) % n, _at(Buf.IN, off), c)
+        _take(ctx, r, hops)
+
+
+@register("reduce_scatter", "ring")
+def reduce_scatter(ctx: Context) -> None:
+    """Block ``k`` travels the ring from rank ``k+1``, gaining a term per hop; ``n-1`` steps."""
+    n, count = ctx.world_size, ctx.count
+    if n == 1:
+        if not ctx.inplace:
+            ctx.copy(0, ctx.block_region(Buf.IN, 0), _at(Buf.OUT), count)
+        return
+    partials = _partials(ctx, n - 2, count)
+    for r in range(n):
+        hops = []
+        for j in range(1, n):
+            block = (r - 1 - j) % n
+            last = j == n - 1  # then block == r
+            # In place, OUT is IN's block r: read and overwritten only in this last step.
+            acc = _at(Buf.OUT) if last else partials[j - 1]
+            hops.append(_Hop(count, acc, own=ctx.block_region(Buf.IN, block), final=last, forward=not last))
+        # One block behind allreduce's schedule, so that the last block in is our own.
+        ctx.send(r, (r + 1) % n, ctx.block_region(Buf.IN, (r - 1) % n), count)
+        _take(ctx, r, hops)
+
+
+@register("allgather", "ring")
+def allgather(ctx: Context) -> None:
+    """Each rank forwards the block it received last; ``n-1`` steps of one block."""
+    n, count = ctx.world_size, ctx.count
+    for r in range(n):
+        # Our own block goes out first, so the ring starts moving before the local copy.
+        if n > 1:
+            ctx.send(r, (r + 1) % n, _at(Buf.IN), count)
+        if not ctx.inplace:
+            # In place, IN already is OUT's block r.
+            ctx.copy(r, _at(Buf.IN), ctx.block_region(Buf.OUT, r), count)
+        # Step t: block r - 1 - t arrives, and moves on unless it has gone all the way round.
+        _take(
+            ctx, r, [_Hop(count, ctx.block_region(Buf.OUT, (r - 1 - t) % n), forward=t < n - 2) for t in range(n - 1)]
+        )
+
+
+@register("broadcast", "ring")
+def broadcast(ctx: Context) -> None:
+    """Chain ``root -> root+1 -> ... -> root-1``: receive a piece, forward it."""
+    n, root, count = ctx.world_size, ctx.root, ctx.count
+    chain = [(root + i) % n for i in range(n)]
+    if n > 1:
+        ctx.send(root, chain[1], _at(Buf.IN), count)
+    if not ctx.inplace:
+        ctx.copy(root, _at(Buf.IN), _at(Buf.OUT), count)
+    # A chain has no cycle, so every forward may fuse: the last rank only receives, and the
+    # others drain towards it whatever the number of slots.
+    for i in range(1, n):
+        rank = chain[i]
+        ctx.recv(rank, chain[i - 1], _at(Buf.OUT), count)
+        if i < n - 1:
+            ctx.send(rank, chain[i + 1], _at(Buf.OUT), count)
+
+
+@register("reduce", "ring")
+def reduce(ctx: Context) -> None:
+    """Chain ``root+1 -> ... -> root-1 -> root``: add your value, forward; the root finishes."""
+    n, root, count = ctx.world_size, ctx.root, ctx.count
+    if n == 1:
+        if not ctx.inplace:
+            ctx.copy(root, _at(Buf.IN), _at(Buf.OUT), count)
+        return
+    chain = [(root + 1 + i) % n for i in range(n)]
+    # Ranks other than the root have no output buffer: their partial sums live in scratch
+    # (and, being forwarded at once, the fuse pass drops even that store).
+    partial = ctx.tmp(count)
+    ctx.send(chain[0], chain[1], _at(Buf.IN), count)
+    for i in range(1, n):
+        rank = chain[i]
+        last = i == n - 1  # rank == root
+        acc = _at(Buf.OUT) if last else partial
+        ctx.recv_reduce(rank, chain[i - 1], _at(Buf.IN), acc, count, final=last, received_left=True)
+        if not last:
+            ctx.send(rank, chain[i + 1], acc, count)
