@@ -564,8 +564,11 @@ class MpiPeer(EnvPeer):
 
     def launcher_args(self, world_size: int) -> list[str]:
         if self.name == "openmpi":
-            args = ["-n", str(world_size), "--oversubscribe", "--bind-to", "none"]
-            args += ["--mca", "pml", "ob1", "--mca", "btl", "self,sm"]
+            args = ["-n", str(world_size), "--bind-to", "none", "--mca", "pml", "ob1", "--mca", "btl", "self,sm"]
+            # Only when it is needed: Open MPI refuses more ranks than cores without it, and then
+            # (and only then) makes waiting ranks yield, as its users get by default.
+            if world_size > len(os.sched_getaffinity(0)):
+                args.append("--oversubscribe")
             if os.geteuid() == 0:
                 args.append("--allow-run-as-root")
         else:  # MPICH's hydra; the fork launcher keeps every rank on this machine
@@ -585,7 +588,8 @@ class MpiPeer(EnvPeer):
         ]
 
     def describe(self) -> str:
-        return " ".join([str(self.launcher), *self.launcher_args(0)[2:]])
+        more = " (--oversubscribe when ranks > cores)" if self.name == "openmpi" else ""
+        return " ".join([str(self.launcher), "-n N", *self.launcher_args(0)[2:]]) + more
 
 
 @dataclasses.dataclass
@@ -929,7 +933,7 @@ def format_markdown(comp: Comparison) -> str:
         ("python", "Python"),
         ("numpy", "numpy"),
         ("numba", "numba"),
-        ("shmcoll", "shmcoll"),
+        ("shmcoll", "shmcoll checkout"),
         ("loadavg", "load average (1 min) at start / end"),
     ):
         if meta.get(key) is not None:

@@ -464,8 +464,9 @@ def test_missing_peers_are_reported() -> None:
         "fork",
     ]
     assert "-v" in peers[1].command("plan.json", 4)
-    ompi = peers[0].command("plan.json", 2)
-    assert ompi[ompi.index("btl") + 1] == "self,sm" and "--oversubscribe" in ompi
+    ompi = peers[0].command("plan.json", 1)
+    assert ompi[ompi.index("btl") + 1] == "self,sm" and "--oversubscribe" not in ompi
+    assert "--oversubscribe" in peers[0].command("plan.json", len(os.sched_getaffinity(0)) + 1)
     assert peers[2].command("plan.json", 2)[0] == "/nonexistent/peers/torch/bin/python"
 
 
