@@ -1115,8 +1115,9 @@ def build_plans(args: argparse.Namespace) -> list[Plan]:
 
     cfg = BenchConfig(min_bytes=args.min_bytes, max_bytes=args.max_bytes, step_factor=args.step_factor, dtype=DTYPE)
     plans = []
-    for world in args.nprocs:
-        for c in args.collectives:
+    # collective-major, so a run that is cut off has every world size of the collectives it did
+    for c in args.collectives:
+        for world in args.nprocs:
             ss = tuple(sizes(cfg, c, world))
             large = [s >= args.large_from for s in ss]
             plans.append(
