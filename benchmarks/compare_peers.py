@@ -920,9 +920,16 @@ def format_markdown(comp: Comparison) -> str:
     meta = comp.meta
     peers = [lib for lib in comp.libraries if lib != "shmcoll"]
     out = ["# shmcoll vs mpi4py (Open MPI, MPICH) and torch.distributed gloo", ""]
-    out.append(f"Measured {meta.get('date', '?')} with `{meta.get('command', '?')}`")
-    if meta.get("duration_s") is not None:
-        out[-1] += f" ({meta['duration_s'] / 60:.1f} minutes)"
+    sources = meta.get("sources") or [meta]
+    if len(sources) > 1:
+        out.append(f"Merged from {len(sources)} runs:")
+        out.append("")
+    for src in sources:
+        line = f"Measured {src.get('date', '?')} with `{src.get('command', '?')}`"
+        if src.get("duration_s") is not None:
+            line += f" ({src['duration_s'] / 60:.1f} minutes"
+            line += f", load average {src['loadavg']})" if src.get("loadavg") else ")"
+        out.append(("- " if len(sources) > 1 else "") + line)
     out.append("")
     out += ["| machine | |", "| --- | --- |"]
     for key, label in (
@@ -934,7 +941,6 @@ def format_markdown(comp: Comparison) -> str:
         ("numpy", "numpy"),
         ("numba", "numba"),
         ("shmcoll", "shmcoll checkout"),
-        ("loadavg", "load average (1 min) at start / end"),
     ):
         if meta.get(key) is not None:
             out.append(f"| {label} | {meta[key]} |")
@@ -949,7 +955,7 @@ def format_markdown(comp: Comparison) -> str:
         out.append(
             f"Each size: {sched['iters']} timed iterations after {sched['warmup']} warm-up calls below "
             f"{human_bytes(sched['large_from'])}, {sched['large_iters']} after {sched['large_warmup']} from there; "
-            f"{meta.get('repeat', 1)} round(s), median over rounds."
+            f"{len({m.round for m in comp.measurements})} round(s), median over rounds."
         )
     out.append(
         "Time = median over iterations of the slowest rank's time per call (shmcoll.bench's rule). "
@@ -1001,22 +1007,30 @@ def write_json(comp: Comparison, path: str | Path) -> None:
 
 
 def load_json(paths: Sequence[str | Path]) -> Comparison:
-    """One comparison from one or more ``--json`` files (e.g. a 2-rank and a 4-rank run)."""
+    """One comparison from one or more ``--json`` files: a 2-rank and a 4-rank run, or repeated runs
+    of the same sweep (each file's rounds are numbered after the previous file's, so the tables
+    take the median over every run)."""
     from shmcoll.bench import Row
 
     fields = {f.name for f in dataclasses.fields(Row)}
     comp = Comparison([], [], [], {})
+    sources: list[dict[str, Any]] = []
     for path in paths:
         data = json.loads(Path(path).read_text())
         for lib in data.get("libraries", []):
             if lib not in comp.libraries:
                 comp.libraries.append(lib)
-        comp.runs += data.get("runs", [])
+        offset = 1 + max((m.round for m in comp.measurements), default=-1)
+        comp.runs += [{**r, "round": r.get("round", 0) + offset} for r in data.get("runs", [])]
         for d in data["rows"]:
-            comp.measurements.append(Measurement(d["library"], d.get("round", 0), Row(**{k: d[k] for k in fields})))
+            row = Row(**{k: d[k] for k in fields})
+            comp.measurements.append(Measurement(d["library"], d.get("round", 0) + offset, row))
         meta = data.get("meta", {})
+        keep = ("date", "command", "duration_s", "loadavg")
+        sources.append({"path": str(path), **{k: meta[k] for k in keep if k in meta}})
         libs = {**meta.get("libraries", {}), **comp.meta.get("libraries", {})}
         comp.meta = {**meta, **comp.meta, "libraries": libs}  # the first file's facts win
+    comp.meta["sources"] = sources
     if "shmcoll" in comp.libraries:
         comp.libraries.remove("shmcoll")
         comp.libraries.insert(0, "shmcoll")

@@ -391,6 +391,11 @@ def test_two_json_files_merge(tmp_path: Path) -> None:
     assert merged.libraries == ["shmcoll", "openmpi", "gloo"]
     assert len(merged.measurements) == 7 and merged.meta["cpu"] == "Test CPU"
     assert set(merged.meta["libraries"]) == {"openmpi", "gloo"}
+    assert [m.round for m in merged.measurements] == [0, 1, 0, 0, 0, 2, 2]  # b.json's rounds follow a.json's
+    assert [src["path"] for src in merged.meta["sources"]] == [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+    md = cp.format_markdown(merged)
+    assert "Merged from 2 runs:" in md and "- Measured 2026-01-01 00:00 UTC" in md
+    assert "3 round(s), median over rounds" not in md  # no schedule in these files, so no such line
 
 
 def test_plot(tmp_path: Path) -> None:
