@@ -42,7 +42,7 @@ def worker(comm, calls: int, every: int) -> list[tuple[int, int]]:  # type: igno
     bufs: dict = {}
     for s in SIZES:
         bufs[("g", s)] = np.empty((n, s), np.float32)
-        bufs[("rs", s)] = np.ones((n, s), np.float32)
+        bufs[("rs", s)] = np.ones(n * s, np.float32)
         bufs[("a", s)] = np.ones((n, max(1, s // n)), np.float32)
         bufs[("a2", s)] = np.empty((n, max(1, s // n)), np.float32)
     kinds = ("allreduce", "allgather", "broadcast", "reduce_scatter", "alltoall")
