@@ -996,13 +996,14 @@ class Communicator:
             inplace = False  # float16 runs through float32 scratch, never the user's buffers
         registered = self._registration is not None
         query = Query(kind, self._world_size, count, edt.itemsize, root=root, inplace=inplace, registered=registered)
+        lay = self._arena.layout
         if kind in ("barrier", "p2p"):
             alg = registry.get(kind, "direct")
         else:
-            lay = self._arena.layout
             alg = choose(query, algorithm, slot_bytes=lay.slot_bytes, nslots=lay.nslots)
-        slot_count = self._arena.layout.slot_bytes // edt.itemsize
-        plan = segment(alg, self._world_size, count, slot_count, root=root, inplace=inplace, peer=peer)
+        slot_count = lay.slot_bytes // edt.itemsize
+        n = self._world_size
+        plan = segment(alg, n, count, slot_count, root=root, inplace=inplace, peer=peer, nslots=lay.nslots)
         if self._verify:
             verify(
                 plan,
@@ -1010,7 +1011,7 @@ class Communicator:
                 count=count,
                 root=root,
                 inplace=inplace,
-                nslots=self._arena.layout.nslots,
+                nslots=lay.nslots,
                 peer=peer,
             )
         sig = ir.pack_sig(kind, alg.code, dtype, int(rop), root if kind != "p2p" else 0, count)

@@ -444,7 +444,7 @@ def plan_time(
 ) -> Simulated:
     """Simulate ``algorithm`` on a call of ``count`` elements per block (cached)."""
     slot_count = max(1, slot_bytes // itemsize)
-    plan = segment(algorithm, world_size, count, slot_count, root=root)
+    plan = segment(algorithm, world_size, count, slot_count, root=root, nslots=model.nslots)
     return simulate(plan, itemsize, model)
 
 
@@ -655,7 +655,7 @@ def plan_figures(
     piece = max(1, alg.piece(FIT_SLOT, n))
     if alg.reason_unsupported(Query(collective, n, piece, 1)) is not None:
         return None
-    plan = segment(alg, n, piece, FIT_SLOT)
+    plan = segment(alg, n, piece, FIT_SLOT, nslots=nslots)
     prog = compile_plan(plan.tail, 1)
     size = size_of(collective, n, piece, 1)
     out: dict[str, Fraction] = {}

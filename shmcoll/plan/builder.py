@@ -39,6 +39,7 @@ class Context:
     block: int = 0
     peer: int = 0
     options: dict[str, object] = dataclasses.field(default_factory=dict)
+    nslots: int = 1  # slots per ring the plan will run with; 1 is the safe assumption
     programs: list[Program] = dataclasses.field(default_factory=list)
     tmp_count: int = 0
 
@@ -99,10 +100,18 @@ class Context:
         self.emit(rank, Step(count=count, a=x, b=y, dst=dst, reduce=True, final=final))
 
     def no_fuse(self, rank: int) -> None:
-        """Keep ``rank``'s previous step and its next one apart: the fuse pass will not merge
-        a receive with the send that follows it here (see ``passes.fuse`` for why a cycle of
-        fused steps can deadlock)."""
-        self.emit(rank, Step(count=0, fence=True))
+        """Keep ``rank``'s previous step and its next one apart when rings have one slot.
+
+        The fuse pass will not merge a receive with the send that follows a fence. A fused step
+        needs an incoming message and a free outgoing slot at once, so a cycle of fused steps
+        deadlocks when every ring in it is full, which one slot per ring makes possible (see
+        ``passes.fuse``). With two or more slots the cycle always has room, so no fence is
+        emitted and every forward stays one step: an unfused forward costs a second copy of the
+        chunk, and in a ring the split travels with the data, so it would be paid on every hop.
+        The verifier checks both cases.
+        """
+        if self.nslots < 2:
+            self.emit(rank, Step(count=0, fence=True))
 
     def plan(self) -> Plan:
         return Plan(

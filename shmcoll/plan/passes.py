@@ -78,6 +78,7 @@ def build_piece(
     peer: int = 0,
     options: dict[str, object] | None = None,
     collective: str | None = None,
+    nslots: int = 1,
 ) -> Plan:
     """Run ``algorithm``'s builder for one piece of ``count`` elements per block, then fuse."""
     ctx = Context(
@@ -90,6 +91,7 @@ def build_piece(
         block=block,
         peer=peer,
         options=dict(options or {}),
+        nslots=nslots,
     )
     algorithm.build(ctx)
     return fuse(ctx.plan())
@@ -105,10 +107,15 @@ def segment(
     inplace: bool = False,
     peer: int = 0,
     options: dict[str, object] | None = None,
+    nslots: int = 1,
 ) -> SegmentedPlan:
-    """The whole call: body pieces of at most one slot-load per step, then the tail."""
+    """The whole call: body pieces of at most one slot-load per step, then the tail.
+
+    ``nslots`` is the number of slots per ring the plan will run with; plans for one slot keep
+    some forwards apart (see ``Context.no_fuse``), so such a plan is correct for any number.
+    """
     piece = max(1, algorithm.piece(max(1, slot_count), world_size))
-    kw = dict(root=root, inplace=inplace, peer=peer, options=options, block=count)
+    kw = dict(root=root, inplace=inplace, peer=peer, options=options, block=count, nslots=nslots)
     if count <= piece:
         return SegmentedPlan(body=None, tail=build_piece(algorithm, world_size, count, **kw), reps=0, piece=piece)  # type: ignore[arg-type]
     reps = (count - 1) // piece  # the tail is never empty: it is a full piece when count divides

@@ -39,6 +39,21 @@ def test_verifier_accepts_every_plan(collective: str, name: str) -> None:
 
 
 @pytest.mark.parametrize(("collective", "name"), ALL)
+def test_plans_for_two_slots_fuse_freely_and_verify(collective: str, name: str) -> None:
+    """Built for rings of two or more slots, plans have no fences (every forward is fused);
+    they must still be deadlock-free there."""
+    alg = registry.get(collective, name)
+    for n in range(1, 17):
+        for root, peer in _cases(collective, n):
+            if collective == "p2p" and peer == root:
+                continue
+            for count, slot in ((n + 1, 4), (3 * n + 2, 2)):
+                for inplace in (False, True):
+                    plan = segment(alg, n, count, slot, root=root, inplace=inplace, peer=peer, nslots=2)
+                    verify(plan, world_size=n, count=count, root=root, inplace=inplace, nslots=2, peer=peer)
+
+
+@pytest.mark.parametrize(("collective", "name"), ALL)
 def test_no_step_moves_more_than_one_slot(collective: str, name: str) -> None:
     alg = registry.get(collective, name)
     for n in (1, 2, 3, 5, 8):

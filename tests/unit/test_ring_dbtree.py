@@ -75,6 +75,17 @@ def test_ring_allreduce_forwards_are_fused(n: int) -> None:
     assert held == 2 * n - 3
 
 
+@pytest.mark.parametrize("n", range(2, 13))
+def test_ring_allreduce_fuses_every_forward_with_two_slots(n: int) -> None:
+    """With two slots per ring no forward is held back: 2n-3 fused steps per rank, no scratch."""
+    alg = registry.get("allreduce", "ring")
+    plan = build_piece(alg, n, 6 * n, block=6 * n, nslots=2)
+    for r in range(n):
+        steps = plan.programs[r]
+        assert sum(1 for s in steps if s.recv is not None and s.send is not None) == 2 * n - 3
+        assert not any(s.dst is not None and s.dst.buf == Buf.TMP for s in steps)
+
+
 @pytest.mark.parametrize("collective", ["allgather", "reduce_scatter"])
 @pytest.mark.parametrize("n", range(2, 10))
 def test_ring_blocks_take_n_minus_1_steps(collective: str, n: int) -> None:
