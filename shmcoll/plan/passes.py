@@ -78,6 +78,7 @@ def build_piece(
     peer: int = 0,
     options: dict[str, object] | None = None,
     collective: str | None = None,
+    slot_count: int = 0,
 ) -> Plan:
     """Run ``algorithm``'s builder for one piece of ``count`` elements per block, then fuse."""
     ctx = Context(
@@ -90,6 +91,7 @@ def build_piece(
         block=block,
         peer=peer,
         options=dict(options or {}),
+        slot_count=slot_count,
     )
     algorithm.build(ctx)
     return fuse(ctx.plan())
@@ -107,8 +109,9 @@ def segment(
     options: dict[str, object] | None = None,
 ) -> SegmentedPlan:
     """The whole call: body pieces of at most one slot-load per step, then the tail."""
-    piece = max(1, algorithm.piece(max(1, slot_count), world_size))
-    kw = dict(root=root, inplace=inplace, peer=peer, options=options, block=count)
+    slot_count = max(1, slot_count)
+    piece = max(1, algorithm.piece_count(slot_count, world_size, options))
+    kw = dict(root=root, inplace=inplace, peer=peer, options=options, block=count, slot_count=slot_count)
     if count <= piece:
         return SegmentedPlan(body=None, tail=build_piece(algorithm, world_size, count, **kw), reps=0, piece=piece)  # type: ignore[arg-type]
     reps = (count - 1) // piece  # the tail is never empty: it is a full piece when count divides
