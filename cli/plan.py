@@ -154,7 +154,7 @@ def verify_algorithm(
                     if alg.reason_unsupported(Query(collective, n, count, 1, root=root, inplace=inplace)):
                         continue
                     try:
-                        options = None if group_size is None else {"group_size": group_size}
+                        options: dict[str, object] | None = {"group_size": group_size} if group_size else None
                         seg = segment(alg, n, count, slot, root=root, inplace=inplace, peer=peer, options=options)
                         for ns in nslots:
                             verify(seg, world_size=n, count=count, root=root, inplace=inplace, nslots=ns, peer=peer)

@@ -87,6 +87,16 @@ def _at(buf: Buf, off: int) -> Place:
     return lambda rank, r: Region(buf, off + r.off)
 
 
+def _shifted(off: int) -> Place:
+    """Each buffer of the sub-collective at ``off`` onwards in the same buffer of ours."""
+    return lambda rank, r: Region(r.buf, off + r.off)
+
+
+def _out_to_scratch(off: int) -> Place:
+    """The sub-collective's OUT in our scratch from ``off`` (a rank with no output of its own)."""
+    return lambda rank, r: Region(Buf.TMP, off + r.off) if r.buf == Buf.OUT else r
+
+
 def _reserve(ctx: Context, used: int) -> None:
     ctx.tmp_count += used
 
@@ -125,7 +135,7 @@ def allreduce(ctx: Context) -> None:
                 kind="reduce",
                 count=leftover,
                 root=m - 1,
-                place=lambda rank, r, off=m * q: Region(r.buf, off + r.off),
+                place=_shifted(m * q),
                 **kw,  # type: ignore[arg-type]
             ),
         )
@@ -249,7 +259,7 @@ def reduce(ctx: Context) -> None:
             continue
         else:
             assert partial is not None
-            place = lambda rank, r, p=partial.off: Region(Buf.TMP, p + r.off) if r.buf == Buf.OUT else r  # noqa: E731
+            place = _out_to_scratch(partial.off)
             held.append(Region(Buf.TMP, partial.off))
             inplace = False
         used = max(
