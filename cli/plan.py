@@ -56,7 +56,8 @@ def plan() -> None:
 @click.option("--slot-bytes", callback=_size, default=None, help="Ring slot size (default: SHMCOLL_SLOT_BYTES).")
 @click.option("--dtype", default="float32", show_default=True, help="Element type (sets elements per slot).")
 @click.option("--in-place", is_flag=True, help="Build the in-place variant.")
-def show(collective, algorithm, world_size, count, root, peer, slot_bytes, dtype, in_place) -> None:  # type: ignore[no-untyped-def]
+@click.option("--group-size", type=int, default=None, help="hierarchical: ranks per group (default: one group).")
+def show(collective, algorithm, world_size, count, root, peer, slot_bytes, dtype, in_place, group_size) -> None:  # type: ignore[no-untyped-def]
     """Print every rank's steps of COLLECTIVE: the body (run once per full piece) and the tail."""
     import numpy as np
 
@@ -75,6 +76,9 @@ def show(collective, algorithm, world_size, count, root, peer, slot_bytes, dtype
         raise click.BadParameter("must be >= 0", param_hint="--count")
     if not 0 <= root < world_size:
         raise click.BadParameter(f"root {root} out of range for {world_size} ranks", param_hint="--root")
+    if group_size is not None and group_size < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--group-size")
+    options = None if group_size is None else {"group_size": group_size}
     if collective == "p2p":
         peer = (root + 1) % world_size if peer is None else peer
         if world_size < 2 or not 0 <= peer < world_size or peer == root:
@@ -88,11 +92,12 @@ def show(collective, algorithm, world_size, count, root, peer, slot_bytes, dtype
         raise click.UsageError(f"{collective}/{algorithm} cannot serve this call: {reason}")
     slot = slot_bytes or config.get().slot_bytes
     slot_count = max(1, slot // itemsize)
-    seg = segment(alg, world_size, count, slot_count, root=root, inplace=in_place, peer=peer or 0)
+    seg = segment(alg, world_size, count, slot_count, root=root, inplace=in_place, peer=peer or 0, options=options)
     mode = "in place" if in_place else "out of place"
+    groups = f"; groups of {group_size}" if group_size is not None else ""
     click.echo(
         f"# {collective}/{algorithm}: {world_size} ranks, count {count}, root {root}, {mode}; "
-        f"slot {format_size(slot)} = {slot_count} {dtype} elements"
+        f"slot {format_size(slot)} = {slot_count} {dtype} elements{groups}"
     )
     if seg.body is None:
         click.echo(f"# one piece of {seg.tail.count} elements (tail only); scratch {seg.tmp_count} elements")
@@ -126,7 +131,11 @@ def _cases(collective: str, n: int) -> Iterator[tuple[int, int]]:
 
 
 def verify_algorithm(
-    collective: str, algorithm: str, world_sizes: tuple[int, ...], nslots: tuple[int, ...]
+    collective: str,
+    algorithm: str,
+    world_sizes: tuple[int, ...],
+    nslots: tuple[int, ...],
+    group_size: int | None = None,
 ) -> tuple[int, list[str]]:
     """Verify every plan shape of one algorithm; (plans checked, failures)."""
     from shmcoll.algos import registry
@@ -145,7 +154,8 @@ def verify_algorithm(
                     if alg.reason_unsupported(Query(collective, n, count, 1, root=root, inplace=inplace)):
                         continue
                     try:
-                        seg = segment(alg, n, count, slot, root=root, inplace=inplace, peer=peer)
+                        options: dict[str, object] | None = {"group_size": group_size} if group_size else None
+                        seg = segment(alg, n, count, slot, root=root, inplace=inplace, peer=peer, options=options)
                         for ns in nslots:
                             verify(seg, world_size=n, count=count, root=root, inplace=inplace, nslots=ns, peer=peer)
                             checked += 1
@@ -162,7 +172,8 @@ def verify_algorithm(
     "-n", "--world-size", "world_sizes", callback=_world_sizes, default=None, help="World sizes (default 1-16)."
 )
 @click.option("--nslots", default="1,2", show_default=True, help="Slots per ring to verify with (comma-separated).")
-def verify(everything, collective, algorithm, world_sizes, nslots) -> None:  # type: ignore[no-untyped-def]
+@click.option("--group-size", type=int, default=None, help="hierarchical: ranks per group (default: one group).")
+def verify(everything, collective, algorithm, world_sizes, nslots, group_size) -> None:  # type: ignore[no-untyped-def]
     """Run the symbolic verifier over registered plans: every root, several counts, in and out of
     place, with 1 and 2 slots per ring. Exits non-zero on any failure."""
     from shmcoll.algos import registry
@@ -191,7 +202,7 @@ def verify(everything, collective, algorithm, world_sizes, nslots) -> None:  # t
     total = 0
     failed = 0
     for alg in selected:
-        checked, failures = verify_algorithm(alg.collective, alg.name, ns, slots)
+        checked, failures = verify_algorithm(alg.collective, alg.name, ns, slots, group_size)
         total += checked
         status = "ok  " if not failures else "FAIL"
         click.echo(f"{status} {alg.collective}/{alg.name}: {checked} plan(s) verified, {len(failures)} failure(s)")

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import psutil
 
-from shmcoll import config
+from shmcoll import config, topology
 from shmcoll.algos import registry
 from shmcoll.algos.registry import ALGORITHM_NAMES, Query
 from shmcoll.algos.select import choose
@@ -201,6 +201,8 @@ class Communicator:
         self._broken: str | None = None
         self._closed = False
         self._verify = os.environ.get("SHMCOLL_VERIFY", "") == "1"
+        self._groups: int | None = None
+        self._groups_agreed = False
         self._mem_total = psutil.virtual_memory().total
         self._log = _RankPrefix(log, {"rank": rank})
         self._trace = log.isEnabledFor(TRACE)
@@ -997,13 +999,19 @@ class Communicator:
         registered = self._registration is not None
         query = Query(kind, self._world_size, count, edt.itemsize, root=root, inplace=inplace, registered=registered)
         lay = self._arena.layout
+        options: dict[str, object] | None = None
         if kind in ("barrier", "p2p"):
             alg = registry.get(kind, "direct")
         else:
-            alg = choose(query, algorithm, slot_bytes=lay.slot_bytes, nslots=lay.nslots)
+            groups = self._group_size()
+            alg = choose(query, algorithm, slot_bytes=lay.slot_bytes, nslots=lay.nslots, group_size=groups)
+            if alg.name == "hierarchical":
+                options = {"group_size": groups}
         slot_count = lay.slot_bytes // edt.itemsize
         n = self._world_size
-        plan = segment(alg, n, count, slot_count, root=root, inplace=inplace, peer=peer, nslots=lay.nslots)
+        plan = segment(
+            alg, n, count, slot_count, root=root, inplace=inplace, peer=peer, options=options, nslots=lay.nslots
+        )
         if self._verify:
             verify(
                 plan,
@@ -1063,6 +1071,51 @@ class Communicator:
         return arr
 
     # --- execution ----------------------------------------------------------------------------
+    def _group_size(self) -> int | None:
+        """Ranks per group for hierarchical plans (``None``: one group), the same on every rank.
+
+        ``SHMCOLL_GROUP_SIZE`` if set, else what the topology gives the ranks' CPU affinities
+        (read from their pids once all have attached: every rank reads the same). The signature
+        has no room for it, so ranks agree on it through the arena instead: the first rank to
+        need it publishes it and every other compares, and a rank that disagrees (say, another
+        ``SHMCOLL_GROUP_SIZE``) fails at once, aborting the others, before any message.
+        """
+        if self._groups_agreed:
+            return self._groups
+        n = self._world_size
+        cfg = config.get()
+        g, source = cfg.group_size, "SHMCOLL_GROUP_SIZE"
+        if g is None:
+            g, source = self._topology_group_size(), "the topology"
+        elif g < 1:
+            raise ValueError(f"SHMCOLL_GROUP_SIZE must be >= 1, got {g}")
+        mine = n if g is None or g >= n else g
+        agreed = self._arena.agree_group_size(mine)
+        if agreed != mine:
+            msg = (
+                f"rank {self._rank}: ranks disagree on the hierarchical groups: this rank has groups of "
+                f"{mine} (from {source}), another rank already chose {agreed}; set SHMCOLL_GROUP_SIZE "
+                "alike on every rank"
+            )
+            self._abort_for_error(msg)
+            raise CollectiveMismatchError(msg)
+        self._groups = None if mine >= n else mine
+        self._groups_agreed = True
+        self._log.info("hierarchical groups: %s (from %s)", self._groups or "one group", source)
+        return self._groups
+
+    def _topology_group_size(self) -> int | None:
+        n = self._world_size
+        if n == 1:
+            return None
+        deadline = time.monotonic() + self._timeout
+        while self._arena.attached() < n:
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.001)
+        affinities = [topology.affinity(self._arena.rank_field(r, L.R_PID)) for r in range(n)]
+        return topology.group_size_for(affinities, topology.machine())
+
     def _check_usable(self) -> None:
         if self._broken is not None:
             raise CommunicatorBrokenError(f"rank {self._rank}: communicator unusable: {self._broken}")

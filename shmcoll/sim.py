@@ -13,7 +13,8 @@
   and its outgoing channel (if any) has a free slot: channels hold ``nslots`` messages, a slot
   is free again when the step that received its message ends;
 - optionally, ranks are in groups of ``group_size`` (several nodes): messages between ranks of
-  different groups cost ``inter_alpha + b / inter_beta`` instead.
+  different groups cost ``inter_alpha + b / inter_beta`` instead. ``hierarchical``'s plans are
+  built for the same groups (builder option ``group_size``).
 
 The predicted time of a call is when the last rank finishes. Step and byte counts come from the
 plans themselves (``segment`` + the algorithm's builder), never from tables. A call of ``reps``
@@ -402,6 +403,11 @@ def simulate(plan: SegmentedPlan, itemsize: int, model: CostModel | Costs) -> Si
 
 
 # --- predictions ---------------------------------------------------------------------------------
+def plan_options(group_size: int | None) -> dict[str, object] | None:
+    """Builder options for a modelled machine: ``hierarchical`` groups ranks as the model does."""
+    return None if group_size is None else {"group_size": group_size}
+
+
 def count_for(collective: str, world_size: int, size_bytes: int, itemsize: int) -> int:
     """Elements per block of a call whose size (the largest per-rank buffer) is ``size_bytes``."""
     blocks = world_size if collective in BLOCKED else 1
@@ -444,7 +450,8 @@ def plan_time(
 ) -> Simulated:
     """Simulate ``algorithm`` on a call of ``count`` elements per block (cached)."""
     slot_count = max(1, slot_bytes // itemsize)
-    plan = segment(algorithm, world_size, count, slot_count, root=root, nslots=model.nslots)
+    options = plan_options(model.group_size)
+    plan = segment(algorithm, world_size, count, slot_count, root=root, options=options, nslots=model.nslots)
     return simulate(plan, itemsize, model)
 
 
@@ -652,10 +659,11 @@ def plan_figures(
     """
     alg = registry.get(collective, algorithm)
     n = world_size
-    piece = max(1, alg.piece(FIT_SLOT, n))
+    options = plan_options(group_size)
+    piece = max(1, alg.piece_count(FIT_SLOT, n, options))
     if alg.reason_unsupported(Query(collective, n, piece, 1)) is not None:
         return None
-    plan = segment(alg, n, piece, FIT_SLOT, nslots=nslots)
+    plan = segment(alg, n, piece, FIT_SLOT, options=options, nslots=nslots)
     prog = compile_plan(plan.tail, 1)
     size = size_of(collective, n, piece, 1)
     out: dict[str, Fraction] = {}
@@ -699,13 +707,18 @@ def _multiple(g: int, n: int) -> bool:
     return n % g == 0 and n >= 2 * g
 
 
+def _groups_power_of_2(g: int, n: int) -> bool:
+    groups, rest = divmod(n, g)
+    return rest == 0 and groups >= 4 and groups & (groups - 1) == 0
+
+
 def _at_least(n0: int, n: int) -> bool:
     return n >= n0
 
 
 def domains(group_size: int | None) -> list[Domain]:
     """Candidate domains, widest first: every n >= n0 (n0 from 3 up to 8), multiples of the group
-    size from two groups up, powers of 2 from 4.
+    size from two groups up, powers of 2 from 4, then a power of 2 of groups (from four).
 
     Small world sizes are often special cases of an algorithm (two ranks make a single exchange;
     a fused step may disappear at three), and never need a closed form: every n up to
@@ -724,6 +737,19 @@ def domains(group_size: int | None) -> list[Domain]:
             check_ns = (9 * g, 10 * g)
             out.append(Domain(f"n a multiple of {g} >= {2 * g}", fit_ns, check_ns, functools.partial(_multiple, g)))
     out.append(Domain("n a power of 2 >= 4", (4, 8, 16, 32, 64), (128,), lambda n: n >= 4 and n & (n - 1) == 0))
+    if group_size is not None and group_size >= 2 and 128 * group_size <= 8 * EXACT_LIMIT:
+        # A power of two of groups, from four: trees over the groups (dbtree, and hierarchical's
+        # inter-group phase) are regular only there, as dbtree's own closed form is on powers of
+        # 2 (and two groups are a tree of two, each rank the other's root: a special case).
+        g = group_size
+        out.append(
+            Domain(
+                f"n = {g} x a power of 2 >= {4 * g}",
+                tuple(g << k for k in range(2, 7)),
+                (g << 7,),
+                functools.partial(_groups_power_of_2, g),
+            )
+        )
     return out
 
 
@@ -749,7 +775,7 @@ class ClosedForm:
         """Predicted time of a call: the first piece, then one period per further piece."""
         f = {k: float(v) for k, v in self.figures(n).items()}
         c = model.costs()
-        piece = max(1, alg.piece(slot_count, n))
+        piece = max(1, alg.piece_count(slot_count, n, plan_options(self.group_size)))
 
         def cost(prefix: str, elements: int) -> float:
             nbytes = size_of(self.collective, n, elements, itemsize)

@@ -4,6 +4,7 @@ from shmcoll.algos import (  # noqa: F401  (importing registers)
     dbtree,
     direct,
     halving_doubling,
+    hierarchical,
     pairwise,
     ps,
     ring,

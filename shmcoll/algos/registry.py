@@ -8,7 +8,7 @@ it here.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from shmcoll.plan.builder import Context
 
@@ -45,6 +45,7 @@ class Query:
 Builder = Callable[[Context], None]
 Supports = Callable[[Query], str | None]
 PieceRule = Callable[[int, int], int]
+OptionsPieceRule = Callable[[int, int, Mapping[str, object]], int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +53,10 @@ class Algorithm:
     """A registered builder for one collective.
 
     ``piece(slot_count, world_size)`` is the largest per-block count one pass of the builder may
-    handle so that no step moves more than ``slot_count`` elements. ``supports(query)`` returns
-    ``None`` when the algorithm can serve the call, else the reason it cannot.
+    handle so that no step moves more than ``slot_count`` elements; a builder whose pieces depend
+    on its options (``hierarchical``'s groups) gives ``options_piece`` instead, and callers ask
+    :meth:`piece_count`. ``supports(query)`` returns ``None`` when the algorithm can serve the
+    call, else the reason it cannot.
     """
 
     collective: str
@@ -62,6 +65,13 @@ class Algorithm:
     piece: PieceRule
     supports: Supports
     doc: str
+    options_piece: OptionsPieceRule | None = None
+
+    def piece_count(self, slot_count: int, world_size: int, options: Mapping[str, object] | None = None) -> int:
+        """The piece for a call with these builder options (see the class docstring)."""
+        if self.options_piece is not None:
+            return self.options_piece(slot_count, world_size, options or {})
+        return self.piece(slot_count, world_size)
 
     @property
     def code(self) -> int:
@@ -89,6 +99,7 @@ def register(
     *,
     piece: PieceRule = one_slot,
     supports: Supports = _always,
+    options_piece: OptionsPieceRule | None = None,
 ) -> Callable[[Builder], Builder]:
     """Register ``build`` as algorithm ``name`` of ``collective``."""
     if name not in ALGORITHM_NAMES:
@@ -98,7 +109,9 @@ def register(
         key = (collective, name)
         if key in _REGISTRY:
             raise ValueError(f"{collective}/{name} registered twice")
-        _REGISTRY[key] = Algorithm(collective, name, build, piece, supports, (build.__doc__ or "").strip())
+        _REGISTRY[key] = Algorithm(
+            collective, name, build, piece, supports, (build.__doc__ or "").strip(), options_piece
+        )
         return build
 
     return decorate

@@ -288,9 +288,18 @@ def decide(
         reason = why_not.get(rule.algorithm, f"not registered for {query.collective}")
         log.warning("%s: SHMCOLL_ALGO rule %r skipped: %s", what, rule.text, reason)
 
+    # hierarchical only pays off with several groups of several ranks; with one group (or one
+    # rank per group) it is its own sub-algorithms with extra steps, and it must never win a
+    # tie or a model quirk there. An explicit request (or override) may still run it.
+    grouped = group_size is not None and 2 <= group_size < query.world_size
+    if not grouped and len(candidates) > 1:
+        candidates = [a for a in candidates if a.name != "hierarchical"]
     model = table.model if table is not None else default_model()
     if nslots is not None and nslots != model.nslots:
         model = dataclasses.replace(model, nslots=nslots)
+    if grouped and model.group_size != group_size:
+        # The model's groups are the ones hierarchical plans are built for (sim passes them on).
+        model = dataclasses.replace(model, group_size=group_size)
     slot = slot_bytes or (table.slot_bytes if table is not None else config.get().slot_bytes)
     root = query.root if query.collective in ("broadcast", "reduce", "gather", "scatter") else 0
 
@@ -351,11 +360,17 @@ def _decide_cached(
 
 
 def choose(
-    query: Query, requested: str = "auto", *, slot_bytes: int | None = None, nslots: int | None = None
+    query: Query,
+    requested: str = "auto",
+    *,
+    slot_bytes: int | None = None,
+    nslots: int | None = None,
+    group_size: int | None = None,
 ) -> Algorithm:
     """The algorithm for ``query``; raises :class:`UnsupportedError` for an unusable request.
 
-    ``slot_bytes``/``nslots`` describe the communicator's rings (default: the configuration's).
+    ``slot_bytes``/``nslots`` describe the communicator's rings (default: the configuration's),
+    ``group_size`` its ranks per group (default: ``SHMCOLL_GROUP_SIZE``; ``None``: one group).
     """
     if requested != "auto":
         alg = registry.get(query.collective, requested)
@@ -366,7 +381,8 @@ def choose(
     cfg = config.get()
     # In place is per rank; the decision must not depend on it.
     key = dataclasses.replace(query, inplace=False)
-    decision = _decide_cached(key, cfg.algo, cfg.tune_file, slot_bytes, nslots, cfg.group_size)
+    groups = cfg.group_size if group_size is None else group_size
+    decision = _decide_cached(key, cfg.algo, cfg.tune_file, slot_bytes, nslots, groups)
     log.info(
         "auto: %s n=%d %d B -> %s (%s: %s)",
         query.collective,

@@ -5,11 +5,20 @@ below; it never touches shared memory. Regions are :class:`~shmcoll.plan.ir.Regi
 ``ctx.block_region(buf, block, off)`` addresses element ``off`` of block ``block`` of a blocked
 buffer, whose blocks are ``ctx.block`` elements apart (the *call's* per-block count, not the
 piece's: pieces are sub-ranges of every block).
+
+**Composition.** :func:`compose` runs another algorithm's builder as a *sub-collective* on a
+view of this one: a subset of the ranks (sub-rank ``i`` is rank ``ranks[i]``) and a placement of
+its buffers in ours (its ``IN``/``OUT`` at some offset of our ``IN``, ``OUT`` or scratch, per
+rank). Its steps are translated as they are emitted and land in the parent's programs, so the
+sub-builder neither knows nor cares that it is not the whole call. That is how
+``hierarchical`` reuses ``ring``, ``dbtree`` and the others instead of rewriting them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 from shmcoll.plan.ir import Buf, Plan, Program, Region, Step
 
@@ -42,6 +51,7 @@ class Context:
     nslots: int = 1  # slots per ring the plan will run with; 1 is the safe assumption
     programs: list[Program] = dataclasses.field(default_factory=list)
     tmp_count: int = 0
+    slot_count: int = 0  # the most elements one step may move (0: not bounded); for compose
 
     def __post_init__(self) -> None:
         if not self.programs:
@@ -169,3 +179,140 @@ def accumulate_in_rank_order(
             ctx.reduce_local(rank, acc, own, target, count, final=last)
         else:
             ctx.recv_reduce(rank, c, acc, target, count, final=last)
+
+
+# --- composition -------------------------------------------------------------------------------
+class SubAlgorithm(Protocol):
+    """What :func:`compose` needs of an algorithm (``registry.Algorithm`` is one)."""
+
+    @property
+    def build(self) -> Callable[[Context], None]: ...
+
+    def piece_count(self, slot_count: int, world_size: int, options: Mapping[str, object] | None = None) -> int: ...
+
+
+Place = Callable[[int, Region], Region]
+"""``place(rank, region)``: where the sub-collective's ``region`` of sub-rank ``rank`` lies in the parent."""
+
+
+class _SubContext(Context):
+    """A :class:`Context` whose steps go, translated, into a parent's programs."""
+
+    def __init__(self, parent: Context, ranks: Sequence[int], place: Place, tmp_base: int, **kw: object) -> None:
+        super().__init__(world_size=len(ranks), **kw)  # type: ignore[arg-type]
+        self._parent = parent
+        self._ranks = list(ranks)
+        self._place = place
+        self._tmp_base = tmp_base
+
+    def _region(self, rank: int, region: Region | None) -> Region | None:
+        if region is None:
+            return None
+        if region.buf == Buf.TMP:
+            # Scratch is private to a rank and sub-collectives on one rank run one after the
+            # other, so each gets the parent's scratch from ``tmp_base`` on.
+            return Region(Buf.TMP, self._tmp_base + region.off)
+        owner = rank if region.rank is None else region.rank
+        placed = self._place(owner, Region(region.buf, region.off))
+        return placed if region.rank is None else Region(placed.buf, placed.off, self._ranks[region.rank])
+
+    def emit(self, rank: int, step: Step) -> None:
+        def peer(p: int | None) -> int | None:
+            return None if p is None else self._ranks[p]
+
+        self._parent.emit(
+            self._ranks[rank],
+            dataclasses.replace(
+                step,
+                recv=peer(step.recv),
+                send=peer(step.send),
+                a=self._region(rank, step.a),
+                b=self._region(rank, step.b),
+                dst=self._region(rank, step.dst),
+            ),
+        )
+
+
+def compose(
+    parent: Context,
+    algorithm: SubAlgorithm,
+    *,
+    kind: str,
+    ranks: Sequence[int],
+    count: int,
+    place: Place,
+    block: int = 0,
+    root: int = 0,
+    inplace: bool = False,
+    tmp_base: int | None = None,
+    keep_final: bool = True,
+    options: Mapping[str, object] | None = None,
+) -> int:
+    """Run ``algorithm``'s builder for ``kind`` over ``ranks`` (a view of ``parent``); returns the
+    scratch it used, from ``tmp_base`` (default: the parent's current end of scratch) on.
+
+    ``place(sub_rank, region)`` says where the sub-collective's ``IN``/``OUT`` region of sub-rank
+    ``sub_rank`` lies in the parent's buffers; ``block`` is its block stride (blocked
+    collectives), ``inplace`` whether its ``IN`` and ``OUT`` alias as that collective defines.
+    ``count`` is cut into the sub-algorithm's own pieces when the parent knows its slot size, so
+    that no step moves more than a slot, whatever the parent's piece rule. ``keep_final=False``
+    drops AVG's division from the sub-collective's steps: a reduction that is not the last of a
+    composition must not divide (the engine divides by the parent's world size, once).
+
+    With one slot per ring, every sub-collective (and each of its pieces) starts behind a fence
+    on each of its ranks (``Context.no_fuse``):
+    fusing the last receive of one with the first send of the next would make a step that waits
+    on two sub-collectives at once, and with one slot per ring two ranks doing that towards each
+    other deadlock (ring's reduce-scatter then allgather, for one). Without fusion across them,
+    sub-collectives that are each deadlock-free, run in the same order on every rank, compose
+    deadlock-free.
+    The parent reserves the returned scratch itself (``parent.tmp_count``), so that
+    sub-collectives on disjoint ranks may share it.
+    """
+    if count == 0:
+        return 0  # a sub-collective of nothing moves nothing: not even the zero-size messages
+    base = parent.tmp_count if tmp_base is None else tmp_base
+    n = len(ranks)
+    piece = count
+    if parent.slot_count > 0:
+        piece = max(1, algorithm.piece_count(parent.slot_count, n, options))
+    used = 0
+    target: Context = parent if keep_final else _NoFinal(parent)
+    for off in range(0, count, piece):
+        c = min(piece, count - off)
+        for rank in ranks:
+            parent.no_fuse(rank)
+
+        def shifted(rank: int, region: Region, off: int = off) -> Region:
+            # Like the engine's pieces: IN/OUT regions move with the piece, within every block.
+            return place(rank, Region(region.buf, region.off + off))
+
+        sub = _SubContext(
+            target,
+            ranks,
+            shifted,
+            base,
+            kind=kind,
+            algorithm=parent.algorithm,
+            count=c,
+            root=root,
+            inplace=inplace,
+            block=block or count,
+            options=dict(options or {}),
+            slot_count=parent.slot_count,
+            nslots=parent.nslots,
+        )
+        algorithm.build(sub)
+        used = max(used, sub.tmp_count)
+    return used
+
+
+class _NoFinal(Context):
+    """Forwards steps to ``parent`` with AVG's division removed."""
+
+    def __init__(self, parent: Context) -> None:
+        super().__init__(kind=parent.kind, algorithm=parent.algorithm, world_size=parent.world_size, count=0)
+        self._parent = parent
+
+    def emit(self, rank: int, step: Step) -> None:
+        self._parent.emit(rank, dataclasses.replace(step, final=False) if step.final else step)

@@ -78,6 +78,7 @@ def build_piece(
     peer: int = 0,
     options: dict[str, object] | None = None,
     collective: str | None = None,
+    slot_count: int = 0,
     nslots: int = 1,
 ) -> Plan:
     """Run ``algorithm``'s builder for one piece of ``count`` elements per block, then fuse."""
@@ -91,6 +92,7 @@ def build_piece(
         block=block,
         peer=peer,
         options=dict(options or {}),
+        slot_count=slot_count,
         nslots=nslots,
     )
     algorithm.build(ctx)
@@ -114,8 +116,9 @@ def segment(
     ``nslots`` is the number of slots per ring the plan will run with; plans for one slot keep
     some forwards apart (see ``Context.no_fuse``), so such a plan is correct for any number.
     """
-    piece = max(1, algorithm.piece(max(1, slot_count), world_size))
-    kw = dict(root=root, inplace=inplace, peer=peer, options=options, block=count, nslots=nslots)
+    slot_count = max(1, slot_count)
+    piece = max(1, algorithm.piece_count(slot_count, world_size, options))
+    kw = dict(root=root, inplace=inplace, peer=peer, options=options, block=count, slot_count=slot_count, nslots=nslots)
     if count <= piece:
         return SegmentedPlan(body=None, tail=build_piece(algorithm, world_size, count, **kw), reps=0, piece=piece)  # type: ignore[arg-type]
     reps = (count - 1) // piece  # the tail is never empty: it is a full piece when count divides

@@ -139,6 +139,12 @@ class Arena:
         if attached >= self.layout.world_size:
             self.segment.unlink()
 
+    def agree_group_size(self, value: int) -> int:
+        """Propose ``value`` (>= 1) as the ranks per group of hierarchical plans; returns the agreed
+        one: the first proposal wins (a compare-and-swap from 0), so every rank sees the same."""
+        found = int(atomic_cas(self.ctrl, L.A_GROUP_SIZE, 0, value))
+        return value if found == 0 else found
+
     def deregister(self, rank: int, failed: bool = False) -> None:
         state = L.STATE_FAILED if failed else L.STATE_EXITED
         write_word(self.ctrl, self.layout.rank_word(rank, L.R_STATE), state)

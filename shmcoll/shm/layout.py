@@ -6,7 +6,7 @@ so a rank polling its own word never steals a line another rank is writing::
 
     byte 0    +--------------------------------------------------------------------+
               | header     MAGIC VERSION TOKEN WORLD_SIZE NSLOTS SLOT_BYTES TOTAL   |  line 0
-              | attach     ATTACHED (fetch_add at connect)  DETACHED                |  line 1
+              | attach     ATTACHED (fetch_add at connect)  DETACHED  GROUP_SIZE     |  line 1
               | abort      CODE ORIGIN PEER SEQ SIG STEP DETAIL OWN_SEQ             |  line 2
     192       +--------------------------------------------------------------------+
               | rank r     PID START STATE CUR_SEQ CUR_SIG CUR_STEP DONE_SEQ DONE_SIG|  1 line
@@ -51,6 +51,7 @@ SLOT_HEADER_BYTES = 32
 H_MAGIC, H_VERSION, H_TOKEN, H_WORLD_SIZE, H_NSLOTS, H_SLOT_BYTES, H_TOTAL = range(7)
 A_ATTACHED = 8  # line 1
 A_DETACHED = 9
+A_GROUP_SIZE = 10  # ranks per group for hierarchical plans, set by the first rank to need it (0: not yet)
 # Abort line (line 2): the first failing rank fills it, then publishes CODE last.
 AB_CODE = 16
 AB_ORIGIN = 17
