@@ -28,6 +28,9 @@ def _size(ctx: click.Context, param: click.Parameter, value: str) -> int:
 @click.option("-f", "--step-factor", type=float, default=4.0, show_default=True, help="Multiply the size by this.")
 @click.option("--iters", type=int, default=10, show_default=True, help="Timed iterations per size.")
 @click.option("--warmup", type=int, default=3, show_default=True, help="Untimed iterations per size.")
+@click.option(
+    "--repeat", type=int, default=3, show_default=True, help="Whole sweeps; each time is the median over them."
+)
 @click.option("--link-bytes", default="16M", show_default=True, callback=_size, help="Large ping-pong message.")
 @click.option("--link-iters", type=int, default=100, show_default=True, help="Small ping-pong round trips.")
 @click.option(
@@ -35,7 +38,18 @@ def _size(ctx: click.Context, param: click.Parameter, value: str) -> int:
 )
 @click.option("--timeout", type=float, default=900.0, show_default=True, help="Seconds allowed per world size.")
 def tune(
-    collective, nprocs, min_bytes, max_bytes, step_factor, iters, warmup, link_bytes, link_iters, output, timeout
+    collective,
+    nprocs,
+    min_bytes,
+    max_bytes,
+    step_factor,
+    iters,
+    warmup,
+    repeat,
+    link_bytes,
+    link_iters,
+    output,
+    timeout,
 ) -> None:  # type: ignore[no-untyped-def]
     """Calibrate the cost model (ping-pong latency and bandwidth through the engine) and time every
     registered algorithm at a set of sizes; write the table that algorithm="auto" reads."""
@@ -54,6 +68,7 @@ def tune(
         step_factor=step_factor,
         iters=iters,
         warmup=warmup,
+        repeat=repeat,
         link_large_bytes=link_bytes,
         link_iters=link_iters,
     )

@@ -296,6 +296,16 @@ def bench_rank(comm: Any, cfg: BenchConfig) -> list[Row]:
     n = comm.world_size
     rows: list[Row] = []
     jobs = [(c, a) for c in cfg.collectives for a in algorithms_for(cfg, c, n)]
+    # Let the scheduler settle before timing anything: right after start-up, ranks may share a
+    # core until the kernel's load balancer spreads them, and the first sizes measured would pay
+    # for it (a third slower here, on whichever algorithm happens to run first).
+    settle_until = time.perf_counter() + 0.3
+    while True:
+        comm.barrier()
+        flag = np.array([time.perf_counter() < settle_until], np.uint8)
+        comm.allreduce(flag, op=ReduceOp.BAND)
+        if not flag[0]:
+            break
     total = sum(len(sizes(cfg, c, n)) for c, _ in jobs) * len(cfg.modes)
     done = 0
     for collective, algorithm in jobs:

@@ -45,6 +45,7 @@ class TuneConfig:
     step_factor: float = 4.0
     iters: int = 10
     warmup: int = 3
+    repeat: int = 3  # whole sweeps; each time is the median over them (drift hits every algorithm)
     dtype: str = "float32"
     link_small_bytes: int = 8
     link_large_bytes: int = 16 << 20
@@ -57,6 +58,8 @@ class TuneConfig:
             raise ValueError("tune needs a world size of at least 2 to measure the link")
         if self.link_iters < 3:
             raise ValueError("link iterations must be >= 3")
+        if self.repeat < 1:
+            raise ValueError(f"repeat must be >= 1, got {self.repeat}")
         if self.link_large_bytes <= self.link_small_bytes:
             raise ValueError("the large link message must be larger than the small one")
         for n in self.world_sizes:
@@ -133,7 +136,12 @@ def _tune_rank(comm: Any, cfg: TuneConfig, measure_link: bool) -> tuple[Link | N
         large = _one_way(comm, cfg.link_large_bytes, max(3, cfg.link_iters // 10))
         link = Link(small, large, null_s, cfg.link_small_bytes, cfg.link_large_bytes)
         comm.barrier()
-    rows = bench.bench_rank(comm, cfg._bench(comm.world_size))
+    # Whole sweeps one after another, not one size repeated: a slow spell of the machine (other
+    # processes, frequency changes) then lands on different algorithms in different sweeps, and
+    # the median over sweeps discards it.
+    rows = []
+    for _ in range(cfg.repeat):
+        rows.extend(bench.bench_rank(comm, cfg._bench(comm.world_size)))
     return (link, rows) if comm.rank == 0 else (None, [])
 
 
@@ -170,13 +178,15 @@ def calibrate(link: Link, slot_bytes: int, nslots: int) -> CostModel:
 
 
 def _measured(rows: Sequence[bench.Row]) -> list[Measured]:
-    by_key: dict[tuple[str, int], dict[str, dict[int, float]]] = {}
+    """The tables of times; a (collective, algorithm, size) measured more than once takes the median."""
+    by_key: dict[tuple[str, int], dict[str, dict[int, list[float]]]] = {}
     for r in rows:
-        by_key.setdefault((r.collective, r.world_size), {}).setdefault(r.algorithm, {})[r.size] = r.time_us * 1e-6
+        per_alg = by_key.setdefault((r.collective, r.world_size), {}).setdefault(r.algorithm, {})
+        per_alg.setdefault(r.size, []).append(r.time_us * 1e-6)
     out = []
     for (collective, n), per_alg in by_key.items():
         sizes = tuple(sorted({s for t in per_alg.values() for s in t}))
-        times = {name: tuple(t.get(s) for s in sizes) for name, t in per_alg.items()}
+        times = {name: tuple(float(np.median(t[s])) if s in t else None for s in sizes) for name, t in per_alg.items()}
         out.append(Measured(collective, n, sizes, times))
     return out
 
@@ -270,6 +280,7 @@ def run(
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "dtype": cfg.dtype,
         "iters": cfg.iters,
+        "repeat": cfg.repeat,
         "link": dataclasses.asdict(link),
     }
     write_table(table, path, meta)

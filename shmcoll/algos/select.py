@@ -290,8 +290,10 @@ def decide(
 
     # hierarchical only pays off with several groups of several ranks; with one group (or one
     # rank per group) it is its own sub-algorithms with extra steps, and it must never win a
-    # tie or a model quirk there. An explicit request (or override) may still run it.
+    # tie or a model quirk there. An explicit request (or override) may still run it, and so
+    # may a measurement: what tune timed on this machine beats any reasoning about it.
     grouped = group_size is not None and 2 <= group_size < query.world_size
+    measured = candidates
     if not grouped and len(candidates) > 1:
         candidates = [a for a in candidates if a.name != "hierarchical"]
     model = table.model if table is not None else default_model()
@@ -314,7 +316,7 @@ def decide(
     entry = table.entry(query.collective, query.world_size, group_size) if table is not None else None
     if entry is not None:
         estimates: dict[str, float] = {}
-        for alg in candidates:
+        for alg in measured:
             points = [(s, t) for s, t in zip(entry.sizes, entry.times_s.get(alg.name, ()), strict=False) if t]
             if not points:
                 continue
@@ -328,7 +330,7 @@ def decide(
             estimates[alg.name] = here * _log_interp(max(size, 1), [s for s, _ in ratios], [r for _, r in ratios])
         if estimates:
             # Ties go to the earlier algorithm in registry order (min over an ordered list).
-            best = min((a for a in candidates if a.name in estimates), key=lambda a: estimates[a.name])
+            best = min((a for a in measured if a.name in estimates), key=lambda a: estimates[a.name])
             others = ", ".join(f"{k} {_fmt(v)}" for k, v in estimates.items() if k != best.name)
             how = "measured" if size in entry.sizes else "measured, model-interpolated"
             return Decision(

@@ -1,0 +1,100 @@
+"""Does ``algorithm="auto"`` pick the fastest algorithm? Measured, per collective and size.
+
+For each world size, the whole ``shmcoll bench`` sweep runs with every registered algorithm of
+every collective (out of place, float32 SUM, root 0), ``--repeat`` times; each algorithm's time
+per size is the median over the repeats. Then, for each size, the script asks the selection
+which algorithm ``auto`` runs (the same call the communicator makes, with the same tune table:
+``SHMCOLL_TUNE_FILE``) and compares that algorithm's measured time with the fastest one's.
+Judging auto's *pick* against the same run's measurements, rather than timing auto as one more
+contestant, keeps run-to-run noise out of the comparison.
+
+Run: ``python benchmarks/auto_vs_best.py [-n 2,4] [--repeat 3] [--iters 30] [-e 8M]``.
+Prints one table per world size and collective, and the sizes where auto's pick is more than
+``--tolerance`` (10%) slower than the best; exits 1 if there are any.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+
+import numpy as np
+
+from shmcoll import bench, config
+from shmcoll.algos import select
+from shmcoll.algos.registry import Query
+
+COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall", "gather", "scatter")
+ROOTED = ("broadcast", "reduce", "gather", "scatter")
+
+
+def auto_pick(collective: str, world_size: int, total_count: int, itemsize: int) -> str:
+    count = total_count // world_size if collective in select.BLOCKED else total_count
+    cfg = config.get()
+    query = Query(collective, world_size, count, itemsize, root=0)
+    return select.choose(query, "auto", slot_bytes=cfg.slot_bytes, nslots=cfg.nslots).name
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-n", "--nprocs", default="2,4")
+    ap.add_argument("-c", "--collectives", default=",".join(COLLECTIVES))
+    ap.add_argument("-b", "--min-bytes", default="8")
+    ap.add_argument("-e", "--max-bytes", default="8M")
+    ap.add_argument("-f", "--step-factor", type=float, default=4.0)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--tolerance", type=float, default=0.10)
+    args = ap.parse_args()
+    collectives = tuple(args.collectives.split(","))
+    itemsize = np.dtype(np.float32).itemsize
+    bad = []
+    for n in (int(x) for x in args.nprocs.split(",")):
+        times: dict[tuple[str, str, int], list[float]] = collections.defaultdict(list)
+        counts: dict[tuple[str, int], int] = {}
+        for rep in range(args.repeat):
+            cfg = bench.BenchConfig(
+                collectives=collectives,
+                algorithms=("all",),
+                nprocs=n,
+                min_bytes=config.parse_size(args.min_bytes),
+                max_bytes=config.parse_size(args.max_bytes),
+                step_factor=args.step_factor,
+                iters=args.iters,
+                warmup=args.warmup,
+                modes=("out-of-place",),
+                progress=False,
+            )
+            print(f"# {n} ranks: round {rep + 1}/{args.repeat}", file=sys.stderr, flush=True)
+            for row in bench.run(cfg, timeout=3600):
+                times[(row.collective, row.algorithm, row.size)].append(row.time_us)
+                counts[(row.collective, row.size)] = row.count
+        for collective in collectives:
+            algs = sorted({a for c, a, _ in times if c == collective}, key=lambda a: a)
+            sizes = sorted({s for c, _, s in times if c == collective})
+            print(f"\n## {collective}, {n} ranks: median us over {args.repeat} runs; * = auto's pick")
+            print(f"{'size':>10} " + " ".join(f"{a:>17}" for a in algs) + f" {'auto/best':>10}")
+            for size in sizes:
+                med = {a: statistics.median(times[(collective, a, size)]) for a in algs}
+                pick = auto_pick(collective, n, counts[(collective, size)], itemsize)
+                best = min(med, key=med.__getitem__)
+                ratio = med[pick] / med[best]
+                cells = " ".join(f"{med[a]:>16.2f}{'*' if a == pick else ' '}" for a in algs)
+                flag = "  <-- more than the tolerance" if ratio > 1 + args.tolerance else ""
+                print(f"{size:>10} {cells} {ratio:>10.2f}{flag}")
+                if flag:
+                    bad.append(f"{collective} n={n} {size} B: auto runs {pick} ({ratio:.2f}x {best})")
+    print()
+    if bad:
+        print(f"auto's pick slower than the best by more than {args.tolerance:.0%}:")
+        print("\n".join("  " + b for b in bad))
+        return 1
+    print(f"auto's pick is within {args.tolerance:.0%} of the best measured algorithm at every size")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
