@@ -57,7 +57,10 @@ def plan() -> None:
 @click.option("--dtype", default="float32", show_default=True, help="Element type (sets elements per slot).")
 @click.option("--in-place", is_flag=True, help="Build the in-place variant.")
 @click.option("--group-size", type=int, default=None, help="hierarchical: ranks per group (default: one group).")
-def show(collective, algorithm, world_size, count, root, peer, slot_bytes, dtype, in_place, group_size) -> None:  # type: ignore[no-untyped-def]
+@click.option(
+    "--nslots", type=int, default=None, help="Slots per ring the plan is built for (default: SHMCOLL_NSLOTS)."
+)
+def show(collective, algorithm, world_size, count, root, peer, slot_bytes, dtype, in_place, group_size, nslots) -> None:  # type: ignore[no-untyped-def]
     """Print every rank's steps of COLLECTIVE: the body (run once per full piece) and the tail."""
     import numpy as np
 
@@ -92,12 +95,17 @@ def show(collective, algorithm, world_size, count, root, peer, slot_bytes, dtype
         raise click.UsageError(f"{collective}/{algorithm} cannot serve this call: {reason}")
     slot = slot_bytes or config.get().slot_bytes
     slot_count = max(1, slot // itemsize)
-    seg = segment(alg, world_size, count, slot_count, root=root, inplace=in_place, peer=peer or 0, options=options)
+    nslots = nslots or config.get().nslots
+    if nslots < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--nslots")
+    seg = segment(
+        alg, world_size, count, slot_count, root=root, inplace=in_place, peer=peer or 0, options=options, nslots=nslots
+    )
     mode = "in place" if in_place else "out of place"
     groups = f"; groups of {group_size}" if group_size is not None else ""
     click.echo(
         f"# {collective}/{algorithm}: {world_size} ranks, count {count}, root {root}, {mode}; "
-        f"slot {format_size(slot)} = {slot_count} {dtype} elements{groups}"
+        f"slot {format_size(slot)} = {slot_count} {dtype} elements, {nslots} per ring{groups}"
     )
     if seg.body is None:
         click.echo(f"# one piece of {seg.tail.count} elements (tail only); scratch {seg.tmp_count} elements")
@@ -155,8 +163,11 @@ def verify_algorithm(
                         continue
                     try:
                         options: dict[str, object] | None = {"group_size": group_size} if group_size else None
-                        seg = segment(alg, n, count, slot, root=root, inplace=inplace, peer=peer, options=options)
                         for ns in nslots:
+                            # Built for the slots it runs with: plans for one slot carry fences.
+                            seg = segment(
+                                alg, n, count, slot, root=root, inplace=inplace, peer=peer, options=options, nslots=ns
+                            )
                             verify(seg, world_size=n, count=count, root=root, inplace=inplace, nslots=ns, peer=peer)
                             checked += 1
                     except (PlanError, ValueError, IndexError, KeyError) as exc:
