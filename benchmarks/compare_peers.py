@@ -438,7 +438,7 @@ def _shmcoll_rank(comm: Any, plan: Plan) -> None:
 
     # One BenchConfig per size (min = max = that size), so the iteration schedule can shrink with
     # size while the sizes, the timing and the check stay bench_rank's own.
-    for nbytes, iters, warmup in zip(plan.sizes, plan.iters, plan.warmup, strict=True):
+    for i, (nbytes, iters, warmup) in enumerate(zip(plan.sizes, plan.iters, plan.warmup, strict=True)):
         cfg = BenchConfig(
             collectives=(plan.collective,),
             nprocs=plan.world_size,
@@ -452,6 +452,7 @@ def _shmcoll_rank(comm: Any, plan: Plan) -> None:
             check=plan.check,
             modes=(plan.mode,),
             progress=False,
+            settle_s=0.3 if i == 0 else 0.0,  # once per launch, as for the peers' warm-up
         )
         for row in bench_rank(comm, cfg):
             emit({"type": "row", **dataclasses.asdict(row), "iters": iters})

@@ -69,6 +69,7 @@ class BenchConfig:
     registered: bool = False
     inject_error: bool = False
     progress: bool = True
+    settle_s: float = 0.3  # untimed collectives first, so the scheduler has spread the ranks
 
 
 @dataclasses.dataclass
@@ -295,54 +296,60 @@ def bench_rank(comm: Any, cfg: BenchConfig) -> list[Row]:
     op = ReduceOp[cfg.op.upper()]
     n = comm.world_size
     rows: list[Row] = []
-    jobs = [(c, a) for c in cfg.collectives for a in algorithms_for(cfg, c, n)]
     # Let the scheduler settle before timing anything: right after start-up, ranks may share a
     # core until the kernel's load balancer spreads them, and the first sizes measured would pay
     # for it (a third slower here, on whichever algorithm happens to run first).
-    settle_until = time.perf_counter() + 0.3
-    while True:
+    settle_until = time.perf_counter() + cfg.settle_s
+    while cfg.settle_s > 0:
         comm.barrier()
         flag = np.array([time.perf_counter() < settle_until], np.uint8)
         comm.allreduce(flag, op=ReduceOp.BAND)
         if not flag[0]:
             break
-    total = sum(len(sizes(cfg, c, n)) for c, _ in jobs) * len(cfg.modes)
+    # Algorithms take turns at each size (rather than each sweeping all sizes in turn), so a slow
+    # spell of the machine lands on all of them alike and their comparison stays fair.
+    steps = [
+        (collective, algorithm, nbytes)
+        for collective in cfg.collectives
+        for nbytes in sizes(cfg, collective, n)
+        for algorithm in algorithms_for(cfg, collective, n)
+    ]
+    total = len(steps) * len(cfg.modes)
     done = 0
-    for collective, algorithm in jobs:
+    for collective, algorithm, nbytes in steps:
         root = cfg.root if collective in ROOTED else -1
-        for nbytes in sizes(cfg, collective, n):
-            for mode in cfg.modes:
-                done += 1
-                if cfg.progress and comm.rank == 0:
-                    sys.stderr.write(f"\r\033[K[{done}/{total}] {collective} {algorithm} {nbytes} B {mode}")
-                    sys.stderr.flush()
-                bufs = _Buffers(
-                    comm, collective, nbytes, dtype, op, max(root, 0), mode == "in-place", algorithm, cfg.registered
+        for mode in cfg.modes:
+            done += 1
+            if cfg.progress and comm.rank == 0:
+                sys.stderr.write(f"\r\033[K[{done}/{total}] {collective} {algorithm} {nbytes} B {mode}")
+                sys.stderr.flush()
+            bufs = _Buffers(
+                comm, collective, nbytes, dtype, op, max(root, 0), mode == "in-place", algorithm, cfg.registered
+            )
+            med, p10, p90 = _time_size(comm, bufs, cfg)
+            wrong = np.array([bufs.wrong(cfg.inject_error and comm.rank == 0) if cfg.check else 0], np.int64)
+            comm.allreduce(wrong)
+            algbw = nbytes / med / 1e9 if med > 0 else 0.0
+            rows.append(
+                Row(
+                    collective,
+                    algorithm,
+                    n,
+                    nbytes,
+                    bufs.count,
+                    dtype.name,
+                    cfg.op.lower() if collective in REDUCING else "none",
+                    root,
+                    mode,
+                    med * 1e6,
+                    algbw,
+                    algbw * bus_factor(collective, n),
+                    int(wrong[0]) if cfg.check else -1,
+                    p10 * 1e6,
+                    p90 * 1e6,
                 )
-                med, p10, p90 = _time_size(comm, bufs, cfg)
-                wrong = np.array([bufs.wrong(cfg.inject_error and comm.rank == 0) if cfg.check else 0], np.int64)
-                comm.allreduce(wrong)
-                algbw = nbytes / med / 1e9 if med > 0 else 0.0
-                rows.append(
-                    Row(
-                        collective,
-                        algorithm,
-                        n,
-                        nbytes,
-                        bufs.count,
-                        dtype.name,
-                        cfg.op.lower() if collective in REDUCING else "none",
-                        root,
-                        mode,
-                        med * 1e6,
-                        algbw,
-                        algbw * bus_factor(collective, n),
-                        int(wrong[0]) if cfg.check else -1,
-                        p10 * 1e6,
-                        p90 * 1e6,
-                    )
-                )
-                del bufs
+            )
+            del bufs
     if cfg.progress and comm.rank == 0:
         sys.stderr.write("\r\033[K")
         sys.stderr.flush()
