@@ -44,7 +44,7 @@ import dataclasses
 LINE = 64
 WORDS_PER_LINE = LINE // 8
 MAGIC = 0x6C6C6F636D687300  # "\0shmcoll" little endian: a header that is not ours fails fast
-VERSION = 1
+VERSION = 2  # 2: line 1 word 10 holds the agreed hierarchical group size (A_GROUP_SIZE)
 SLOT_HEADER_BYTES = 32
 
 # Header words (int64 index).
