@@ -29,7 +29,7 @@ import numpy as np
 
 from shmcoll.algos import registry
 from shmcoll.algos.registry import Query
-from shmcoll.types import ReduceOp, engine_types, supports
+from shmcoll.types import FOLD_UFUNC, ReduceOp, engine_types, supports
 
 BENCH_COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall", "gather", "scatter")
 REDUCING = ("allreduce", "reduce", "reduce_scatter")
@@ -140,16 +140,7 @@ def _pattern(tag: int, count: int, dtype: np.dtype, op: ReduceOp) -> np.ndarray:
 
 def _reduced(world_size: int, count: int, dtype: np.dtype, op: ReduceOp, lo: int, hi: int) -> np.ndarray:
     """Elements [lo, hi) of the reduction over all ranks of the rank patterns."""
-    ufunc = {
-        ReduceOp.SUM: np.add,
-        ReduceOp.AVG: np.add,
-        ReduceOp.PROD: np.multiply,
-        ReduceOp.MIN: np.minimum,
-        ReduceOp.MAX: np.maximum,
-        ReduceOp.BAND: np.bitwise_and,
-        ReduceOp.BOR: np.bitwise_or,
-        ReduceOp.BXOR: np.bitwise_xor,
-    }[op]
+    ufunc = FOLD_UFUNC[op]
     work = np.dtype(np.float32) if dtype == np.float16 else dtype
     acc = _pattern(0, count, work, op)[lo:hi]
     for r in range(1, world_size):

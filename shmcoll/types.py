@@ -29,6 +29,19 @@ class ReduceOp(enum.IntEnum):
     BXOR = 7
 
 
+# The numpy ufunc each op folds elements with (AVG folds with add, then divides once): the
+# reference the kernels must match, and what checks (bench's #wrong, the tests) compute with.
+FOLD_UFUNC: dict[ReduceOp, np.ufunc] = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,
+    ReduceOp.PROD: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.BAND: np.bitwise_and,
+    ReduceOp.BOR: np.bitwise_or,
+    ReduceOp.BXOR: np.bitwise_xor,
+}
+
 # Every collective name, spelled one way everywhere; the index is the collective's code in a
 # call signature. "barrier" and "p2p" are internal plans, not user-facing collective names.
 COLLECTIVES: tuple[str, ...] = (

@@ -19,7 +19,7 @@ import numpy as np
 
 from shmcoll import ReduceOp
 from shmcoll.algos import registry
-from shmcoll.types import DTYPES, supports
+from shmcoll.types import DTYPES, FOLD_UFUNC, supports
 
 SEED = 20261122
 REDUCING = ("reduce", "allreduce", "reduce_scatter")
@@ -123,15 +123,7 @@ def reduce_ref(op: int, stacked: np.ndarray, world_size: int) -> np.ndarray:
             wide = total.astype(np.complex128)
             return (wide.real / world_size + 1j * (wide.imag / world_size)).astype(dtype)
         return (total.astype(np.float64) / world_size).astype(dtype)
-    ufunc = {
-        ReduceOp.SUM: np.add,
-        ReduceOp.PROD: np.multiply,
-        ReduceOp.MIN: np.minimum,
-        ReduceOp.MAX: np.maximum,
-        ReduceOp.BAND: np.bitwise_and,
-        ReduceOp.BOR: np.bitwise_or,
-        ReduceOp.BXOR: np.bitwise_xor,
-    }[op]
+    ufunc = FOLD_UFUNC[op]
     if dtype.kind == "b" and op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):
         ufunc = {ReduceOp.BAND: np.logical_and, ReduceOp.BOR: np.logical_or, ReduceOp.BXOR: np.logical_xor}[op]
     acc = stacked[0].copy()

@@ -31,6 +31,7 @@ tag catches ranks that did not, before anything is read).
 
 from __future__ import annotations
 
+from shmcoll.algos.direct import barrier
 from shmcoll.algos.registry import Query, register
 from shmcoll.plan.builder import Context, split
 from shmcoll.plan.ir import Buf, Region
@@ -48,15 +49,9 @@ def _registered(query: Query) -> str | None:
     return None
 
 
-def sync(ctx: Context) -> None:
-    """A dissemination barrier of zero-byte messages on every rank."""
-    n = ctx.world_size
-    distance = 1
-    while distance < n:
-        for rank in range(n):
-            ctx.send(rank, (rank + distance) % n, None, 0)
-            ctx.recv(rank, (rank - distance) % n, None, 0)
-        distance *= 2
+# Every rank's buffers are ready (or no longer read) once all ranks have passed a barrier:
+# the direct algorithm's dissemination barrier of zero-byte messages, emitted into this plan.
+sync = barrier
 
 
 def _combine(ctx: Context, rank: int, sources: list[Region], dst: Region, count: int, own: int | None) -> None:

@@ -17,7 +17,7 @@ from numba import cuda
 
 from shmcoll import ReduceOp, device
 from shmcoll.kernels import cuda as kernels
-from shmcoll.types import engine_types, supports
+from shmcoll.types import FOLD_UFUNC, engine_types, supports
 
 SEED = 20261123
 
@@ -86,16 +86,7 @@ def ordered_reference(xs: list[np.ndarray], op: int) -> np.ndarray:
         return reduce_ref(op, np.stack(xs), n)
     work = [x.astype(np.float32) for x in xs] if dtype == np.float16 else [x.copy() for x in xs]
     wdt = work[0].dtype
-    ufunc = {
-        ReduceOp.SUM: np.add,
-        ReduceOp.AVG: np.add,
-        ReduceOp.PROD: np.multiply,
-        ReduceOp.MIN: np.minimum,
-        ReduceOp.MAX: np.maximum,
-        ReduceOp.BAND: np.bitwise_and,
-        ReduceOp.BOR: np.bitwise_or,
-        ReduceOp.BXOR: np.bitwise_xor,
-    }[ReduceOp(op)]
+    ufunc = FOLD_UFUNC[ReduceOp(op)]
     acc = work[0]
     with np.errstate(over="ignore", invalid="ignore"):
         for w in work[1:]:

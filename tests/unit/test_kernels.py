@@ -6,17 +6,7 @@ import numpy as np
 import pytest
 
 from shmcoll.kernels.cpu import combine, copy
-from shmcoll.types import DTYPES, ReduceOp, engine_types, supports
-
-UFUNC = {
-    ReduceOp.SUM: np.add,
-    ReduceOp.PROD: np.multiply,
-    ReduceOp.MIN: np.minimum,
-    ReduceOp.MAX: np.maximum,
-    ReduceOp.BAND: np.bitwise_and,
-    ReduceOp.BOR: np.bitwise_or,
-    ReduceOp.BXOR: np.bitwise_xor,
-}
+from shmcoll.types import DTYPES, FOLD_UFUNC, ReduceOp, engine_types, supports
 
 
 def _edge_values(dt: np.dtype, rng: np.random.Generator, count: int) -> np.ndarray:
@@ -46,7 +36,7 @@ def test_combine_matches_numpy(dt: np.dtype) -> None:
             continue
         x, y = _edge_values(dt, rng, n), _edge_values(dt, rng, n)
         y[3:6] = x[3:6][::-1]  # ties and signed zeros on both sides
-        want = UFUNC[op](x, y)
+        want = FOLD_UFUNC[op](x, y)
         got = np.zeros(n + 3, dt)
         other = np.zeros(n + 3, dt)
         combine(got, 3, other, 0, False, x, 0, y, 0, n, int(op), 0)
