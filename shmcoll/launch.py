@@ -460,13 +460,17 @@ def _dump_and_kill(procs: list[Any]) -> None:
     """Have every live rank dump its stacks (faulthandler on SIGUSR1), then kill them all.
 
     Only ranks that already handle SIGUSR1 get it: one still starting up would simply die of it.
+    One rank at a time: the ranks share the launcher's stderr, and dumps written at once
+    interleave line by line into something nobody can read.
     """
     dumping = [p for p in procs if _poll_exit(p) is None and _catches(p.pid, signal.SIGUSR1)]
+    # faulthandler writes synchronously from the signal handler, but the rank must get scheduled;
+    # the whole dump stays within about 2 s however many ranks there are.
+    pause = min(0.5, 2.0 / len(dumping)) if dumping else 0.0
     for p in dumping:
         with contextlib.suppress(ProcessLookupError):
             os.kill(p.pid, signal.SIGUSR1)
-    if dumping:
-        time.sleep(1.0)  # faulthandler writes synchronously, but the rank must get scheduled
+        time.sleep(pause)
     for p in procs:
         if _poll_exit(p) is None:
             p.kill()
