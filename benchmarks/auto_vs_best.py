@@ -1,8 +1,9 @@
 """Does ``algorithm="auto"`` pick the fastest algorithm? Measured, per collective and size.
 
 For each world size, the whole ``shmcoll bench`` sweep runs with every registered algorithm of
-every collective (out of place, float32 SUM, root 0), ``--repeat`` times; each algorithm's time
-per size is the median over the repeats. Then, for each size, the script asks the selection
+every collective (out of place, float32 SUM, root 0), ``--repeat`` times, each in a launch of its
+own; each algorithm's time per size is the median over the launches, compared launch by launch
+(``shmcoll.bench.paired_medians``, as ``shmcoll tune`` does). Then, for each size, the script asks the selection
 which algorithm ``auto`` runs (the same call the communicator makes, with the same tune table:
 ``SHMCOLL_TUNE_FILE``) and compares that algorithm's measured time with the fastest one's.
 Judging auto's *pick* against the same run's measurements, rather than timing auto as one more
@@ -16,8 +17,6 @@ Prints one table per world size and collective, and the sizes where auto's pick 
 from __future__ import annotations
 
 import argparse
-import collections
-import statistics
 import sys
 
 import numpy as np
@@ -53,7 +52,7 @@ def main() -> int:
     itemsize = np.dtype(np.float32).itemsize
     bad = []
     for n in (int(x) for x in args.nprocs.split(",")):
-        times: dict[tuple[str, str, int], list[float]] = collections.defaultdict(list)
+        launches: list[list[bench.Row]] = []
         counts: dict[tuple[str, int], int] = {}
         for rep in range(args.repeat):
             cfg = bench.BenchConfig(
@@ -69,16 +68,20 @@ def main() -> int:
                 progress=False,
             )
             print(f"# {n} ranks: round {rep + 1}/{args.repeat}", file=sys.stderr, flush=True)
-            for row in bench.run(cfg, timeout=3600):
-                times[(row.collective, row.algorithm, row.size)].append(row.time_us)
+            launches.append(bench.run(cfg, timeout=3600))
+            for row in launches[-1]:
                 counts[(row.collective, row.size)] = row.count
+        times = {(c, a, s): t * 1e6 for (c, _, _, s, a), t in bench.paired_medians(launches).items()}
         for collective in collectives:
-            algs = sorted({a for c, a, _ in times if c == collective}, key=lambda a: a)
+            algs = sorted({a for c, a, _ in times if c == collective})
             sizes = sorted({s for c, _, s in times if c == collective})
-            print(f"\n## {collective}, {n} ranks: median us over {args.repeat} runs; * = auto's pick")
+            print(
+                f"\n## {collective}, {n} ranks: median us over {args.repeat} launches (paired by launch);"
+                " * = auto's pick"
+            )
             print(f"{'size':>10} " + " ".join(f"{a:>17}" for a in algs) + f" {'auto/best':>10}")
             for size in sizes:
-                med = {a: statistics.median(times[(collective, a, size)]) for a in algs}
+                med = {a: times[(collective, a, size)] for a in algs}
                 pick = auto_pick(collective, n, counts[(collective, size)], itemsize)
                 best = min(med, key=med.__getitem__)
                 ratio = med[pick] / med[best]

@@ -29,7 +29,17 @@ def _size(ctx: click.Context, param: click.Parameter, value: str) -> int:
 @click.option("--iters", type=int, default=10, show_default=True, help="Timed iterations per size.")
 @click.option("--warmup", type=int, default=3, show_default=True, help="Untimed iterations per size.")
 @click.option(
-    "--repeat", type=int, default=3, show_default=True, help="Whole sweeps; each time is the median over them."
+    "--repeat",
+    type=int,
+    default=3,
+    show_default=True,
+    help="Sweeps, each in a launch of its own; each time is the median over them.",
+)
+@click.option(
+    "--registered/--no-registered",
+    default=True,
+    show_default=True,
+    help="Also measure on comm.alloc buffers, where zerocopy competes.",
 )
 @click.option("--link-bytes", default="16M", show_default=True, callback=_size, help="Large ping-pong message.")
 @click.option("--link-iters", type=int, default=100, show_default=True, help="Small ping-pong round trips.")
@@ -46,6 +56,7 @@ def tune(
     iters,
     warmup,
     repeat,
+    registered,
     link_bytes,
     link_iters,
     output,
@@ -69,6 +80,7 @@ def tune(
         iters=iters,
         warmup=warmup,
         repeat=repeat,
+        registered=registered,
         link_large_bytes=link_bytes,
         link_iters=link_iters,
     )

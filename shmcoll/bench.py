@@ -7,7 +7,9 @@ time is the **median over iterations of the slowest rank's time** (p10/p90 too, 
 ``--stats``). Bandwidths follow nccl-tests: ``algbw = size / time`` and ``busbw = algbw *
 factor`` with factor ``2(n-1)/n`` for allreduce, ``(n-1)/n`` for allgather, reduce_scatter,
 alltoall, gather and scatter, and 1 for broadcast and reduce. ``size`` is the largest per-rank
-buffer of the call (allgather's output, reduce_scatter's input), as in nccl-tests.
+buffer of the call (allgather's output, reduce_scatter's input), as in nccl-tests. When several
+algorithms are benched, they share one size's buffers and take turns in rounds (see
+:func:`_time_point`), so they are compared on the same stretch of the machine's time.
 
 Checking: inputs are a pattern whose result every rank can compute exactly by itself, so after
 the timed iterations each rank runs the collective once more on fresh inputs and counts the
@@ -70,6 +72,7 @@ class BenchConfig:
     inject_error: bool = False
     progress: bool = True
     settle_s: float = 0.3  # untimed collectives first, so the scheduler has spread the ranks
+    rounds: int = 5  # the iterations of the algorithms of one size take turns in this many rounds
 
 
 @dataclasses.dataclass
@@ -110,12 +113,23 @@ def sizes(cfg: BenchConfig, collective: str, world_size: int) -> list[int]:
     return out
 
 
-def algorithms_for(cfg: BenchConfig, collective: str, world_size: int) -> list[str]:
+def algorithms_for(cfg: BenchConfig, collective: str, world_size: int, inplace: bool = False) -> list[str]:
+    """The algorithms ``cfg`` asks for that can serve ``collective`` (``all``: every registered one)."""
     names: list[str] = []
     for name in cfg.algorithms:
         if name == "all":
             for alg in registry.algorithms(collective):
-                q = Query(collective, world_size, 1024, np.dtype(cfg.dtype).itemsize, root=cfg.root)
+                if alg.name == "zerocopy" and inplace and collective in ("allgather", "gather"):
+                    continue  # x = out[rank] sits at a different place on every rank
+                q = Query(
+                    collective,
+                    world_size,
+                    1024,
+                    np.dtype(cfg.dtype).itemsize,
+                    root=cfg.root,
+                    inplace=inplace,
+                    registered=cfg.registered,
+                )
                 if alg.reason_unsupported(q) is None and alg.name not in names:
                     names.append(alg.name)
         elif name == "auto" or any(a.name == name for a in registry.algorithms(collective)):
@@ -192,7 +206,8 @@ class _Buffers:
             self.out = self.x if inplace else new((n, b))
         elif collective == "scatter":
             self.x = new((n, b))
-            self.out = self.x[r] if inplace and r == root else new(b)
+            own = new(b)  # on every rank, root included: comm.alloc is collective
+            self.out = self.x[r] if inplace and r == root else own
         self.fill()
 
     def fill(self) -> None:
@@ -261,24 +276,68 @@ class _Buffers:
 
 
 # --- the sweep, run on every rank ----------------------------------------------------------------
-def _time_size(comm: Any, bufs: _Buffers, cfg: BenchConfig) -> tuple[float, float, float]:
-    for _ in range(cfg.warmup):
-        bufs.run()
-    comm.barrier()
-    t0 = time.perf_counter()
-    bufs.run()
-    estimate = np.array([time.perf_counter() - t0])
-    comm.allreduce(estimate, "max")
-    reps = int(min(max(math.ceil(MIN_ITERATION_S / max(estimate[0], 1e-9)), 1), 1000))
-    times = np.empty(cfg.iters, np.float64)
-    for it in range(cfg.iters):
+def _reps(comm: Any, bufs: _Buffers, algorithms: Sequence[str], cfg: BenchConfig) -> dict[str, int]:
+    """Warm each algorithm up and choose its calls per timed iteration (the same on every rank)."""
+    estimate = np.zeros(len(algorithms))
+    for i, algorithm in enumerate(algorithms):
+        bufs.algorithm = algorithm
+        for _ in range(cfg.warmup):
+            bufs.run()
         comm.barrier()
         t0 = time.perf_counter()
-        for _ in range(reps):
-            bufs.run()
-        times[it] = (time.perf_counter() - t0) / reps
+        bufs.run()
+        estimate[i] = time.perf_counter() - t0
+    comm.allreduce(estimate, "max")
+    return {
+        a: int(min(max(math.ceil(MIN_ITERATION_S / max(e, 1e-9)), 1), 1000))
+        for a, e in zip(algorithms, estimate, strict=True)
+    }
+
+
+def _time_point(
+    comm: Any, bufs: _Buffers, algorithms: Sequence[str], cfg: BenchConfig
+) -> dict[str, tuple[float, float, float]]:
+    """(median, p10, p90) seconds per call of each algorithm on the same buffers.
+
+    The iterations are dealt out in ``cfg.rounds`` rounds, and in each round every algorithm runs
+    its share, starting with a different algorithm each round. This machine's slow spells last
+    seconds, longer than a round, so they land on every algorithm alike: the comparison between
+    algorithms stays fair even when the absolute times drift.
+    """
+    reps = _reps(comm, bufs, algorithms, cfg)
+    rounds = max(1, min(cfg.rounds, cfg.iters))
+    share = [cfg.iters // rounds + (r < cfg.iters % rounds) for r in range(rounds)]
+    times = np.empty((len(algorithms), cfg.iters), np.float64)
+    done = [0] * len(algorithms)
+    for r in range(rounds):
+        for k in range(len(algorithms)):
+            i = (r + k) % len(algorithms)
+            bufs.algorithm = algorithms[i]
+            for _ in range(share[r]):
+                comm.barrier()
+                t0 = time.perf_counter()
+                for _ in range(reps[algorithms[i]]):
+                    bufs.run()
+                times[i, done[i]] = (time.perf_counter() - t0) / reps[algorithms[i]]
+                done[i] += 1
     comm.allreduce(times, "max")  # slowest rank, per iteration
-    return float(np.median(times)), float(np.percentile(times, 10)), float(np.percentile(times, 90))
+    return {
+        a: (float(np.median(t)), float(np.percentile(t, 10)), float(np.percentile(t, 90)))
+        for a, t in zip(algorithms, times, strict=True)
+    }
+
+
+def _settle(comm: Any, seconds: float) -> None:
+    """Run untimed collectives for ``seconds``: right after start-up, ranks may share a core until
+    the kernel's load balancer spreads them, and the first sizes measured would pay for it (a
+    third slower here, on whichever algorithm happens to run first)."""
+    settle_until = time.perf_counter() + seconds
+    while seconds > 0:
+        comm.barrier()
+        flag = np.array([time.perf_counter() < settle_until], np.uint8)
+        comm.allreduce(flag, op=ReduceOp.BAND)
+        if not flag[0]:
+            break
 
 
 def bench_rank(comm: Any, cfg: BenchConfig) -> list[Row]:
@@ -287,39 +346,31 @@ def bench_rank(comm: Any, cfg: BenchConfig) -> list[Row]:
     op = ReduceOp[cfg.op.upper()]
     n = comm.world_size
     rows: list[Row] = []
-    # Let the scheduler settle before timing anything: right after start-up, ranks may share a
-    # core until the kernel's load balancer spreads them, and the first sizes measured would pay
-    # for it (a third slower here, on whichever algorithm happens to run first).
-    settle_until = time.perf_counter() + cfg.settle_s
-    while cfg.settle_s > 0:
-        comm.barrier()
-        flag = np.array([time.perf_counter() < settle_until], np.uint8)
-        comm.allreduce(flag, op=ReduceOp.BAND)
-        if not flag[0]:
-            break
-    # Algorithms take turns at each size (rather than each sweeping all sizes in turn), so a slow
-    # spell of the machine lands on all of them alike and their comparison stays fair.
-    steps = [
-        (collective, algorithm, nbytes)
+    _settle(comm, cfg.settle_s)
+    points = [
+        (collective, nbytes, mode)
         for collective in cfg.collectives
         for nbytes in sizes(cfg, collective, n)
-        for algorithm in algorithms_for(cfg, collective, n)
+        for mode in cfg.modes
     ]
-    total = len(steps) * len(cfg.modes)
-    done = 0
-    for collective, algorithm, nbytes in steps:
+    for done, (collective, nbytes, mode) in enumerate(points, 1):
         root = cfg.root if collective in ROOTED else -1
-        for mode in cfg.modes:
-            done += 1
-            if cfg.progress and comm.rank == 0:
-                sys.stderr.write(f"\r\033[K[{done}/{total}] {collective} {algorithm} {nbytes} B {mode}")
-                sys.stderr.flush()
-            bufs = _Buffers(
-                comm, collective, nbytes, dtype, op, max(root, 0), mode == "in-place", algorithm, cfg.registered
-            )
-            med, p10, p90 = _time_size(comm, bufs, cfg)
-            wrong = np.array([bufs.wrong(cfg.inject_error and comm.rank == 0) if cfg.check else 0], np.int64)
+        algorithms = algorithms_for(cfg, collective, n, mode == "in-place")
+        if cfg.progress and comm.rank == 0:
+            sys.stderr.write(f"\r\033[K[{done}/{len(points)}] {collective} {nbytes} B {mode}")
+            sys.stderr.flush()
+        bufs = _Buffers(
+            comm, collective, nbytes, dtype, op, max(root, 0), mode == "in-place", algorithms[0], cfg.registered
+        )
+        timed = _time_point(comm, bufs, algorithms, cfg)
+        wrong = np.full(len(algorithms), -1, np.int64)
+        if cfg.check:
+            for i, algorithm in enumerate(algorithms):
+                bufs.algorithm = algorithm
+                wrong[i] = bufs.wrong(cfg.inject_error and comm.rank == 0)
             comm.allreduce(wrong)
+        for algorithm, w in zip(algorithms, wrong, strict=True):
+            med, p10, p90 = timed[algorithm]
             algbw = nbytes / med / 1e9 if med > 0 else 0.0
             rows.append(
                 Row(
@@ -335,16 +386,45 @@ def bench_rank(comm: Any, cfg: BenchConfig) -> list[Row]:
                     med * 1e6,
                     algbw,
                     algbw * bus_factor(collective, n),
-                    int(wrong[0]) if cfg.check else -1,
+                    int(w),
                     p10 * 1e6,
                     p90 * 1e6,
                 )
             )
-            del bufs
+        del bufs
     if cfg.progress and comm.rank == 0:
         sys.stderr.write("\r\033[K")
         sys.stderr.flush()
     return rows if comm.rank == 0 else []
+
+
+def paired_medians(launches: Sequence[Sequence[Row]]) -> dict[tuple[str, int, str, int, str], float]:
+    """Per-call seconds of each algorithm from several launches' rows, compared launch by launch.
+
+    Keys are ``(collective, world_size, mode, size, algorithm)``. A launch can be slower than
+    another as a whole (where the kernel placed the ranks, a slow spell of the machine), which
+    would swamp the differences between algorithms if raw times were pooled. So within a launch
+    each time is divided by that point's geometric mean over its algorithms, the median of those
+    ratios over launches is taken, and it is scaled back by the median of the geometric means.
+    With one algorithm, or one launch, this is the plain median.
+    """
+    ratios: dict[tuple[str, int, str, int], dict[str, list[float]]] = {}
+    means: dict[tuple[str, int, str, int], list[float]] = {}
+    for rows in launches:
+        by_point: dict[tuple[str, int, str, int], dict[str, float]] = {}
+        for r in rows:
+            if r.time_us > 0:
+                by_point.setdefault((r.collective, r.world_size, r.mode, r.size), {})[r.algorithm] = r.time_us * 1e-6
+        for point, times in by_point.items():
+            mean = math.exp(sum(math.log(t) for t in times.values()) / len(times))
+            means.setdefault(point, []).append(mean)
+            for algorithm, t in times.items():
+                ratios.setdefault(point, {}).setdefault(algorithm, []).append(t / mean)
+    return {
+        (*point, algorithm): float(np.median(rs)) * float(np.median(means[point]))
+        for point, per_alg in ratios.items()
+        for algorithm, rs in per_alg.items()
+    }
 
 
 def run(cfg: BenchConfig, *, timeout: float | None = None) -> list[Row]:

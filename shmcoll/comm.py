@@ -568,9 +568,10 @@ class Communicator:
         """A zero-filled array in shared memory that every rank maps (collective).
 
         Every rank must call it with the same shape and dtype, in the same order. Collectives on
-        such arrays read the peers' data in place (algorithm ``zerocopy``) when every rank passes
-        its array from the same allocation, at the same place (``comm.allreduce(buf)`` with
-        ``buf = comm.alloc(...)`` on every rank). The memory is released once no array views it
+        such arrays can read the peers' data in place (algorithm ``zerocopy``) when every rank
+        passes its array from the same allocation, at the same place (``comm.allreduce(buf)``
+        with ``buf = comm.alloc(...)`` on every rank); ``auto`` takes it where it is the faster
+        choice (large calls: it saves a copy but costs barriers). The memory is released once no array views it
         any longer on any rank (or when the communicator closes).
         """
         self._check_usable()
@@ -623,6 +624,11 @@ class Communicator:
             args["out"] = plain_out
         algorithm = kwargs.get("algorithm", "auto")
         placement = self._placement(name, x, out) if algorithm in ("auto", "zerocopy") else "not asked for"
+        if algorithm == "auto" and not isinstance(placement, str):
+            chosen = self._auto_registered(name, x, kwargs.get("root", 0))
+            if chosen != "zerocopy":  # it measured (or is modelled) slower at this size
+                args["algorithm"] = chosen
+                placement = f"auto chose {chosen}"
         if isinstance(placement, str):
             if algorithm == "zerocopy":
                 raise UnsupportedError(f"{name}: algorithm 'zerocopy' cannot serve this call: {placement}")
@@ -641,6 +647,21 @@ class Communicator:
         if result is plain_out and plain_out is not out:
             return out
         return result
+
+    def _auto_registered(self, name: str, x: SharedArray, root: Any) -> str:
+        """What ``auto`` runs for a call that could go zero-copy: ``zerocopy`` saves a copy but
+        pays two or three barriers, so the selection weighs it against the other algorithms on
+        such buffers (measured by ``shmcoll tune``, else modelled). Every rank of a valid call
+        asks the same question, so every rank gets the same answer."""
+        n = self._world_size
+        if name not in ("broadcast", "reduce", "gather"):
+            root = 0
+        elif not isinstance(root, (int, np.integer)) or not 0 <= root < n:
+            return "zerocopy"  # the call's own checks reject it, with the usual message
+        count = x.size // n if name in ("reduce_scatter", "alltoall") else x.size
+        query = Query(name, n, count, x.dtype.itemsize, root=int(root), registered=True)
+        lay = self._arena.layout
+        return choose(query, "auto", slot_bytes=lay.slot_bytes, nslots=lay.nslots, group_size=self._group_size()).name
 
     def _placement(self, name: str, x: Any, out: Any) -> _Placement | str:
         """Where this call's registered buffers are, or why the call cannot go zero-copy."""

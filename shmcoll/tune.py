@@ -1,14 +1,17 @@
 """``shmcoll tune``: calibrate the cost model on this machine and measure every algorithm.
 
-Per world size, one job (``shmcoll.spawn``) runs on its ranks:
+Per world size, ``repeat`` jobs (``shmcoll.spawn``, one launch each) run on their ranks:
 
-1. **the link** (first world size only, ranks 0 and 1): the median one-way time of a small and
+1. **the link** (first launch of the first world size, ranks 0 and 1): the median one-way time of a small and
    of a large point-to-point message (ping-pong halves), and the median time of a call that
    moves nothing (a world-size-1 communicator), which every call pays whatever its algorithm.
    ``alpha`` and ``beta`` are then solved from the simulator's own figures for the two
    point-to-point plans, so the model is calibrated on the plans it predicts;
 2. **the algorithms**: ``bench``'s sweep (``bench_rank``) of every registered algorithm of each
-   collective at the requested sizes, out of place, results checked.
+   collective at the requested sizes, out of place, results checked; the algorithms of one size
+   take turns in rounds, so they are compared on the same stretch of the machine's time. Then
+   the same on buffers from ``comm.alloc`` for the collectives with a ``zerocopy`` form (which
+   competes only there); ``auto`` decides registered calls from those times.
 
 The table (``config.tune_file``, JSON) holds the model, the slot size, the measured median
 times, and the fastest algorithm per size with the crossovers, and is what ``algorithm="auto"``
@@ -45,11 +48,12 @@ class TuneConfig:
     step_factor: float = 4.0
     iters: int = 10
     warmup: int = 3
-    repeat: int = 3  # whole sweeps; each time is the median over them (drift hits every algorithm)
+    repeat: int = 3  # sweeps, each in its own launch; each time is the median over them
     dtype: str = "float32"
     link_small_bytes: int = 8
     link_large_bytes: int = 16 << 20
     link_iters: int = 100
+    registered: bool = True  # also sweep on comm.alloc buffers, where zerocopy competes
 
     def validate(self) -> None:
         if not self.world_sizes or any(n < 1 for n in self.world_sizes):
@@ -65,9 +69,16 @@ class TuneConfig:
         for n in self.world_sizes:
             bench.validate(self._bench(n))
 
-    def _bench(self, n: int) -> bench.BenchConfig:
+    def registered_collectives(self) -> tuple[str, ...]:
+        """The collectives of the sweep on registered buffers: those with a zerocopy form."""
+        if not self.registered:
+            return ()
+        return tuple(c for c in self.collectives if any(a.name == "zerocopy" for a in registry.algorithms(c)))
+
+    def _bench(self, n: int, registered: bool = False) -> bench.BenchConfig:
         return bench.BenchConfig(
-            collectives=self.collectives,
+            collectives=self.registered_collectives() if registered else self.collectives,
+            registered=registered,
             algorithms=("all",),
             nprocs=n,
             min_bytes=self.min_bytes,
@@ -127,7 +138,7 @@ def _null_call(comm: Any, iters: int) -> float:
         solo.close()
 
 
-def _tune_rank(comm: Any, cfg: TuneConfig, measure_link: bool) -> tuple[Link | None, list[bench.Row]]:
+def _tune_rank(comm: Any, cfg: TuneConfig, measure_link: bool) -> tuple[Link | None, list[bench.Row], list[bench.Row]]:
     link = None
     if measure_link:
         null_s = _null_call(comm, cfg.link_iters)
@@ -136,13 +147,9 @@ def _tune_rank(comm: Any, cfg: TuneConfig, measure_link: bool) -> tuple[Link | N
         large = _one_way(comm, cfg.link_large_bytes, max(3, cfg.link_iters // 10))
         link = Link(small, large, null_s, cfg.link_small_bytes, cfg.link_large_bytes)
         comm.barrier()
-    # Whole sweeps one after another, not one size repeated: a slow spell of the machine (other
-    # processes, frequency changes) then lands on different algorithms in different sweeps, and
-    # the median over sweeps discards it.
-    rows = []
-    for _ in range(cfg.repeat):
-        rows.extend(bench.bench_rank(comm, cfg._bench(comm.world_size)))
-    return (link, rows) if comm.rank == 0 else (None, [])
+    rows = bench.bench_rank(comm, cfg._bench(comm.world_size))
+    registered = bench.bench_rank(comm, cfg._bench(comm.world_size, True)) if cfg.registered_collectives() else []
+    return (link, rows, registered) if comm.rank == 0 else (None, [], [])
 
 
 # --- calibration -----------------------------------------------------------------------------------
@@ -177,17 +184,17 @@ def calibrate(link: Link, slot_bytes: int, nslots: int) -> CostModel:
     return CostModel(alpha_s=alpha, beta_Bps=1.0 / inv_beta, nslots=nslots)
 
 
-def _measured(rows: Sequence[bench.Row]) -> list[Measured]:
-    """The tables of times; a (collective, algorithm, size) measured more than once takes the median."""
-    by_key: dict[tuple[str, int], dict[str, dict[int, list[float]]]] = {}
-    for r in rows:
-        per_alg = by_key.setdefault((r.collective, r.world_size), {}).setdefault(r.algorithm, {})
-        per_alg.setdefault(r.size, []).append(r.time_us * 1e-6)
+def _measured(launches: Sequence[Sequence[bench.Row]], registered: bool = False) -> list[Measured]:
+    """The tables of times: per (collective, algorithm, size), the launches' times compared launch
+    by launch (:func:`shmcoll.bench.paired_medians`)."""
+    by_key: dict[tuple[str, int], dict[str, dict[int, float]]] = {}
+    for (collective, n, _, size, algorithm), t in bench.paired_medians(launches).items():
+        by_key.setdefault((collective, n), {}).setdefault(algorithm, {})[size] = t
     out = []
     for (collective, n), per_alg in by_key.items():
         sizes = tuple(sorted({s for t in per_alg.values() for s in t}))
-        times = {name: tuple(float(np.median(t[s])) if s in t else None for s in sizes) for name, t in per_alg.items()}
-        out.append(Measured(collective, n, sizes, times))
+        times = {name: tuple(t.get(s) for s in sizes) for name, t in per_alg.items()}
+        out.append(Measured(collective, n, sizes, times, registered=registered))
     return out
 
 
@@ -224,6 +231,7 @@ def write_table(table: TuneTable, path: str, meta: dict[str, Any]) -> None:
         {
             "collective": m.collective,
             "world_size": m.world_size,
+            "registered": m.registered,
             "by_size": [[s, a] for s, a in fastest(m)],
             "crossovers": [[s, a, b] for s, a, b in crossovers(m)],
         }
@@ -256,22 +264,31 @@ def run(
     path = path or conf.tune_file
     say = progress or (lambda text: None)
     link: Link | None = None
-    rows: list[bench.Row] = []
+    launches: list[list[bench.Row]] = []
+    launches_registered: list[list[bench.Row]] = []
     link_n = min(n for n in cfg.world_sizes if n >= 2)
     for n in sorted(set(cfg.world_sizes)):
-        say(f"tuning on {n} rank(s)")
-        got_link, got_rows = spawn(_tune_rank, nprocs=n, args=(cfg, n == link_n), timeout=timeout)[0]
-        link = got_link or link
-        rows.extend(got_rows)
+        # Each sweep in a launch of its own: where the kernel places the ranks on the cores
+        # differs from launch to launch and, with more ranks than cores, favours different
+        # algorithms; the median over launches is what a user's run should expect.
+        for rep in range(cfg.repeat):
+            say(f"tuning on {n} rank(s), sweep {rep + 1}/{cfg.repeat}")
+            measure_link = n == link_n and rep == 0
+            got_link, got_rows, got_registered = spawn(_tune_rank, nprocs=n, args=(cfg, measure_link), timeout=timeout)[
+                0
+            ]
+            link = got_link or link
+            launches.append(got_rows)
+            launches_registered.append(got_registered)
     assert link is not None
     model = calibrate(link, conf.slot_bytes, conf.nslots)
-    measured = _measured(rows)
-    fresh = {(m.collective, m.world_size, m.group_size) for m in measured}
+    measured = _measured(launches) + _measured(launches_registered, registered=True)
+    fresh = {m.key for m in measured}
     existing = _read_existing(path)
     if existing is not None:
         try:
             old = TuneTable.from_json(existing)
-            measured = [m for m in old.measured if (m.collective, m.world_size, m.group_size) not in fresh] + measured
+            measured = [m for m in old.measured if m.key not in fresh] + measured
         except (ValueError, KeyError, TypeError):
             pass
     table = TuneTable(model, conf.slot_bytes, tuple(measured), path)
@@ -302,7 +319,8 @@ def summary(table: TuneTable, link: Link | None = None) -> str:
     lines.append(f"# model: {table.model.describe()}; slot {format_size(table.slot_bytes)}")
     for m in table.measured:
         names = list(m.times_s)
-        lines.append(f"# {m.collective}, {m.world_size} ranks: median time per call")
+        where = " on comm.alloc buffers" if m.registered else ""
+        lines.append(f"# {m.collective}, {m.world_size} ranks{where}: median time per call")
         lines.append(f"  {'size':>8}  " + "  ".join(f"{name:>16}" for name in names) + "  fastest")
         for size, best in fastest(m):
             i = m.sizes.index(size)

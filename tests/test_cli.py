@@ -126,3 +126,14 @@ def test_cleanup_removes_only_stale_segments() -> None:
         for name in (dead, live):
             if os.path.exists(f"/dev/shm/{name}"):
                 os.unlink(f"/dev/shm/{name}")
+
+
+def test_bench_every_algorithm_on_registered_buffers() -> None:
+    """--registered with every algorithm, both modes: zerocopy competes (except where its in-place
+    form does not exist), every rank allocates alike (comm.alloc is collective), all right."""
+    proc = _shmcoll("bench", "-n", "3", "-c", "all", "-a", "all", "--registered", *SMALL[2:])
+    assert proc.returncode == 0, proc.stderr
+    sections = [line for line in proc.stdout.splitlines() if line.startswith("# ") and ", algorithm " in line]
+    zero_copy = {line.split(",")[0][2:] for line in sections if "algorithm zerocopy" in line}
+    assert zero_copy == {"allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall", "gather"}
+    assert "Out of bounds values : 0 OK" in proc.stdout

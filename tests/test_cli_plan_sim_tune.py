@@ -175,12 +175,14 @@ def test_tune_writes_the_table_auto_reads(tmp_path) -> None:  # type: ignore[no-
     assert elapsed < 60, f"tune took {elapsed:.0f} s"
     data = json.loads(path.read_text())
     assert data["version"] == 1 and data["model"]["alpha_s"] > 0 and data["model"]["beta_Bps"] > 0
-    (entry,) = data["measured"]
-    assert (entry["collective"], entry["world_size"], entry["sizes"]) == ("allreduce", 2, [8, 256])
+    entry, on_alloc = sorted(data["measured"], key=lambda m: m["registered"])
+    for m in (entry, on_alloc):
+        assert (m["collective"], m["world_size"], m["sizes"]) == ("allreduce", 2, [8, 256])
     names = {
         a.name for a in registry.algorithms("allreduce") if a.reason_unsupported(Query("allreduce", 2, 1024, 4)) is None
     }
     assert set(entry["times_s"]) == names and all(t > 0 for ts in entry["times_s"].values() for t in ts)
+    assert set(on_alloc["times_s"]) == names | {"zerocopy"} and "# allreduce, 2 ranks on comm.alloc" in proc.stdout
     assert data["fastest"][0]["by_size"][0][1] in names
     assert "# allreduce, 2 ranks: median time per call" in proc.stdout and str(path) in proc.stdout
 

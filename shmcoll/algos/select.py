@@ -16,6 +16,11 @@ An explicit name must serve the call or the call fails. ``auto`` decides, in thi
    :func:`default_model` without one, simulates every candidate's plan; the fastest wins.
 4. **fallback**: the first registered candidate (``direct``), when nothing can predict.
 
+Calls on buffers from ``comm.alloc`` (``Query.registered``) are decided the same way, with
+``zerocopy`` among the candidates and the table's measurements taken on such buffers (``shmcoll
+tune`` measures both kinds): zerocopy saves a copy on large calls but pays two or three barriers,
+so it wins only from some size on.
+
 The call's **size** is the largest per-rank buffer as ``bench`` counts it (allgather's output,
 reduce_scatter's input), in the bytes that move (float16 reductions move float32).
 
@@ -124,6 +129,11 @@ class Measured:
     sizes: tuple[int, ...]
     times_s: dict[str, tuple[float | None, ...]]
     group_size: int | None = None
+    registered: bool = False  # measured on buffers from comm.alloc (where zerocopy competes)
+
+    @property
+    def key(self) -> tuple[str, int, int | None, bool]:
+        return (self.collective, self.world_size, self.group_size, self.registered)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,9 +145,11 @@ class TuneTable:
     measured: tuple[Measured, ...]
     source: str = ""
 
-    def entry(self, collective: str, world_size: int, group_size: int | None) -> Measured | None:
+    def entry(
+        self, collective: str, world_size: int, group_size: int | None, registered: bool = False
+    ) -> Measured | None:
         for m in self.measured:
-            if m.collective == collective and m.world_size == world_size and m.group_size == group_size:
+            if m.key == (collective, world_size, group_size, registered):
                 return m
         return None
 
@@ -151,6 +163,7 @@ class TuneTable:
                     "collective": m.collective,
                     "world_size": m.world_size,
                     "group_size": m.group_size,
+                    "registered": m.registered,
                     "sizes": list(m.sizes),
                     "times_s": {k: list(v) for k, v in m.times_s.items()},
                 }
@@ -170,7 +183,16 @@ class TuneTable:
             times = {str(k): tuple(None if t is None else float(t) for t in v) for k, v in m["times_s"].items()}
             if any(len(v) != len(sizes) for v in times.values()):
                 raise ValueError(f"{m['collective']} n={m['world_size']}: times and sizes differ in length")
-            measured.append(Measured(str(m["collective"]), int(m["world_size"]), sizes, times, m.get("group_size")))
+            measured.append(
+                Measured(
+                    str(m["collective"]),
+                    int(m["world_size"]),
+                    sizes,
+                    times,
+                    m.get("group_size"),
+                    bool(m.get("registered", False)),
+                )
+            )
         return cls(CostModel.from_dict(data["model"]), int(data["slot_bytes"]), tuple(measured), source)
 
 
@@ -313,7 +335,9 @@ def decide(
             log.warning("%s: %s not considered: %s", what, alg.name, exc)
             return None
 
-    entry = table.entry(query.collective, query.world_size, group_size) if table is not None else None
+    # Registered buffers have their own measurements: zerocopy competes there, and the other
+    # algorithms run on the same buffers. Without them, the model decides for such calls.
+    entry = table.entry(query.collective, query.world_size, group_size, query.registered) if table is not None else None
     if entry is not None:
         estimates: dict[str, float] = {}
         for alg in measured:

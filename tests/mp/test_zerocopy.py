@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
 
 import numpy as np
 import pytest
 from harness import run_ranks
 
-from shmcoll import CollectiveMismatchError, ReduceOp, UnsupportedError
+from shmcoll import CollectiveMismatchError, ReduceOp, UnsupportedError, config
+from shmcoll.algos import select
 from shmcoll.shm.registered import SharedArray
 
 
@@ -18,7 +20,7 @@ def _basics(comm):  # type: ignore[no-untyped-def]
     x = comm.alloc(1001, np.float64)
     assert isinstance(x, SharedArray) and x.shape == (1001,) and not x.any()
     x[:] = np.arange(1001) + r
-    y = comm.allreduce(x)  # in place, zero-copy
+    y = comm.allreduce(x)  # in place; zero-copy or through the rings, as auto judges faster
     assert y is x
     np.testing.assert_array_equal(x, n * np.arange(1001) + n * (n - 1) // 2)
     out = comm.alloc((7, 11), np.int32)
@@ -44,7 +46,7 @@ def _placement_mismatch(comm):  # type: ignore[no-untyped-def]
     buf = comm.alloc(20, np.float32)
     view = buf[0:10] if comm.rank == 0 else buf[5:15]
     with pytest.raises(CollectiveMismatchError, match="another place"):
-        comm.allreduce(view)
+        comm.allreduce(view, algorithm="zerocopy")
     return True
 
 
@@ -56,12 +58,54 @@ def _mixed(comm):  # type: ignore[no-untyped-def]
     buf = comm.alloc(16, np.float32)
     x = buf if comm.rank == 0 else np.ones(16, np.float32)
     with pytest.raises(CollectiveMismatchError, match="zerocopy"):
-        comm.allreduce(x)
+        comm.allreduce(x, algorithm="zerocopy" if comm.rank == 0 else "auto")
     return True
 
 
 def test_registered_and_plain_ranks_mismatch_clearly() -> None:
     assert run_ranks(_mixed, 2) == [True, True]
+
+
+def _auto_weighs_zero_copy(comm):  # type: ignore[no-untyped-def]
+    """auto takes zerocopy for a large registered call and the rings for a tiny one (the built-in
+    model: two barriers cost more than the copy of 8 bytes saves); both results are right."""
+    saved = {k: os.environ.get(k) for k in ("SHMCOLL_ALGO", "SHMCOLL_TUNE_FILE")}
+    os.environ.pop("SHMCOLL_ALGO", None)
+    os.environ["SHMCOLL_TUNE_FILE"] = os.devnull  # no table: the built-in model decides
+    config.reload()
+    select.reset()
+    seen: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("shmcoll")
+    old_level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        n = comm.world_size
+        for count in (2, 4 << 20):
+            x = comm.alloc(count, np.float32)
+            x[:] = comm.rank + 1
+            comm.allreduce(x)
+            assert (x == n * (n + 1) // 2).all()
+            del x
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)
+        for k, v in saved.items():  # the pool's ranks serve later tests
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        config.reload()
+        select.reset()
+    picks = [m.split(" -> ")[1].split(" ")[0] for m in seen if m.startswith("auto: allreduce")]
+    return picks[0] != "zerocopy" and picks[-1] == "zerocopy", picks
+
+
+def test_auto_takes_zero_copy_only_where_it_pays(pools) -> None:  # type: ignore[no-untyped-def]
+    for ok, picks in pools.get(2).run(_auto_weighs_zero_copy):
+        assert ok, picks
 
 
 def _rules(comm):  # type: ignore[no-untyped-def]

@@ -3,6 +3,7 @@ the cost model, the fallback, and the logging, with test-only algorithms registe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -264,6 +265,26 @@ def test_model_interpolates_between_measured_sizes(algos) -> None:  # type: igno
         d = decide(q(nbytes // 4), table=table, slot_bytes=64 * KB)
         want = min(factor, key=lambda a: factor[a] * model_s(a, nbytes))
         assert d.algorithm.name == want and "model-interpolated" in d.detail
+
+
+def test_registered_calls_use_their_own_measurements(algos) -> None:  # type: ignore[no-untyped-def]
+    """On comm.alloc buffers zerocopy competes, judged by what was measured on such buffers;
+    plain calls never see it, and the plain measurements do not decide registered calls."""
+    sizes = (4 * KB, 16 * MB)
+    plain = Measured("allreduce", 4, sizes, {"direct": (9e-6, 9e-3), "ps": (5e-6, 8e-3)})
+    times = {"direct": (9e-6, 9e-3), "ps": (6e-6, 8e-3), "zerocopy": (30e-6, 4e-3)}
+    on_alloc = Measured("allreduce", 4, sizes, times, registered=True)
+    table = TuneTable(MODEL, 64 * KB, (plain, on_alloc), "synthetic")
+
+    def registered(nbytes: int) -> Query:
+        return dataclasses.replace(q(nbytes // 4), registered=True)
+
+    assert decide(registered(4 * KB), table=table).algorithm.name == "ps"  # zerocopy measured 5x slower
+    assert decide(registered(16 * MB), table=table).algorithm.name == "zerocopy"
+    assert decide(q(16 * MB // 4), table=table).algorithm.name == "ps"
+    only_plain = TuneTable(MODEL, 64 * KB, (plain,), "synthetic")
+    assert decide(registered(16 * MB), table=only_plain).reason == "model"
+    assert TuneTable.from_json(table.to_json()).measured == table.measured
 
 
 def test_unmeasured_world_size_uses_the_model(algos) -> None:  # type: ignore[no-untyped-def]
