@@ -9,7 +9,8 @@ which algorithm ``auto`` runs (the same call the communicator makes, with the sa
 Judging auto's *pick* against the same run's measurements, rather than timing auto as one more
 contestant, keeps run-to-run noise out of the comparison.
 
-Run: ``python benchmarks/auto_vs_best.py [-n 2,4] [--repeat 3] [--iters 30] [-e 8M]``.
+Run: ``python benchmarks/auto_vs_best.py [-n 2,4] [--repeat 15] [--iters 30] [-e 8M] [--registered]``
+(``--registered``: buffers from ``comm.alloc``, where ``zerocopy`` competes).
 Prints one table per world size and collective, and the sizes where auto's pick is more than
 ``--tolerance`` (10%) slower than the best; exits 1 if there are any.
 """
@@ -29,10 +30,10 @@ COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce"
 ROOTED = ("broadcast", "reduce", "gather", "scatter")
 
 
-def auto_pick(collective: str, world_size: int, total_count: int, itemsize: int) -> str:
+def auto_pick(collective: str, world_size: int, total_count: int, itemsize: int, registered: bool) -> str:
     count = total_count // world_size if collective in select.BLOCKED else total_count
     cfg = config.get()
-    query = Query(collective, world_size, count, itemsize, root=0)
+    query = Query(collective, world_size, count, itemsize, root=0, registered=registered)
     return select.choose(query, "auto", slot_bytes=cfg.slot_bytes, nslots=cfg.nslots).name
 
 
@@ -47,8 +48,13 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--tolerance", type=float, default=0.10)
+    ap.add_argument(
+        "--registered",
+        action="store_true",
+        help="buffers from comm.alloc (zerocopy competes; scatter has no such form)",
+    )
     args = ap.parse_args()
-    collectives = tuple(args.collectives.split(","))
+    collectives = tuple(c for c in args.collectives.split(",") if not (args.registered and c == "scatter"))
     itemsize = np.dtype(np.float32).itemsize
     bad = []
     for n in (int(x) for x in args.nprocs.split(",")):
@@ -65,6 +71,7 @@ def main() -> int:
                 iters=args.iters,
                 warmup=args.warmup,
                 modes=("out-of-place",),
+                registered=args.registered,
                 progress=False,
             )
             print(f"# {n} ranks: round {rep + 1}/{args.repeat}", file=sys.stderr, flush=True)
@@ -82,7 +89,7 @@ def main() -> int:
             print(f"{'size':>10} " + " ".join(f"{a:>17}" for a in algs) + f" {'auto/best':>10}")
             for size in sizes:
                 med = {a: times[(collective, a, size)] for a in algs}
-                pick = auto_pick(collective, n, counts[(collective, size)], itemsize)
+                pick = auto_pick(collective, n, counts[(collective, size)], itemsize, args.registered)
                 best = min(med, key=med.__getitem__)
                 ratio = med[pick] / med[best]
                 cells = " ".join(f"{med[a]:>16.2f}{'*' if a == pick else ' '}" for a in algs)
