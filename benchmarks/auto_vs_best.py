@@ -3,26 +3,36 @@
 For each world size, the whole ``shmcoll bench`` sweep runs with every registered algorithm of
 every collective (out of place, float32 SUM, root 0), ``--repeat`` times, each in a launch of its
 own; each algorithm's time per size is the median over the launches, compared launch by launch
-(``shmcoll.bench.paired_medians``, as ``shmcoll tune`` does). Then, for each size, the script asks the selection
-which algorithm ``auto`` runs (the same call the communicator makes, with the same tune table:
-``SHMCOLL_TUNE_FILE``) and compares that algorithm's measured time with the fastest one's.
-Judging auto's *pick* against the same run's measurements, rather than timing auto as one more
-contestant, keeps run-to-run noise out of the comparison.
+(``shmcoll.bench.paired_times``, as ``shmcoll tune`` does). Then, for each size, the script
+asks the selection which algorithm ``auto`` runs (the same call the communicator makes, with the
+same tune table: ``SHMCOLL_TUNE_FILE``) and compares that algorithm's measured time with the
+fastest one's. Judging auto's *pick* against the same run's measurements, rather than timing
+auto as one more contestant, keeps run-to-run noise out of the comparison.
 
-Run: ``python benchmarks/auto_vs_best.py [-n 2,4] [--repeat 15] [--iters 30] [-e 8M] [--registered]``
-(``--registered``: buffers from ``comm.alloc``, where ``zerocopy`` competes).
-Prints one table per world size and collective, and the sizes where auto's pick is more than
-``--tolerance`` (10%) slower than the best; exits 1 if there are any.
+``--interleave`` runs twice as many launches and makes the tune table from the even ones (with
+tune's own code) and judges its picks on the odd ones. A tune run and a later check can fall in
+different spells of this machine (memory-bound work 2-3x slower for minutes), where the ranking
+of algorithms within ~15% of each other differs; interleaved, both halves see the same spells,
+so what is judged is the choice, not the drift.
+
+Run: ``python benchmarks/auto_vs_best.py [-n 2,4] [--repeat 15] [--iters 30] [-e 8M]
+[--registered] [--interleave] [--json launches.json]`` (``--registered``: buffers from
+``comm.alloc``, where ``zerocopy`` competes). Prints one table per world size and collective,
+and the sizes where auto's pick is more than ``--tolerance`` (10%) slower than the best; exits 1
+if there are any.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
+from typing import Any
 
 import numpy as np
 
-from shmcoll import bench, config
+from shmcoll import bench, config, tune
 from shmcoll.algos import select
 from shmcoll.algos.registry import Query
 
@@ -30,10 +40,16 @@ COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce"
 ROOTED = ("broadcast", "reduce", "gather", "scatter")
 
 
-def auto_pick(collective: str, world_size: int, total_count: int, itemsize: int, registered: bool) -> str:
+def auto_pick(
+    collective: str, world_size: int, total_count: int, itemsize: int, registered: bool, table: Any = None
+) -> str:
+    """The algorithm ``auto`` runs for this call: with ``table``, the one it would choose from that
+    table; else the communicator's own choice (``SHMCOLL_TUNE_FILE``, ``SHMCOLL_ALGO``)."""
     count = total_count // world_size if collective in select.BLOCKED else total_count
     cfg = config.get()
     query = Query(collective, world_size, count, itemsize, root=0, registered=registered)
+    if table is not None:
+        return select.decide(query, table=table, slot_bytes=cfg.slot_bytes, nslots=cfg.nslots).algorithm.name
     return select.choose(query, "auto", slot_bytes=cfg.slot_bytes, nslots=cfg.nslots).name
 
 
@@ -53,14 +69,23 @@ def main() -> int:
         action="store_true",
         help="buffers from comm.alloc (zerocopy competes; scatter has no such form)",
     )
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="2x --repeat launches: the even ones make the tune table (as shmcoll tune would), the odd "
+        "ones judge its picks, so both halves see the same stretch of the machine's time",
+    )
+    ap.add_argument("--json", help="write every launch's rows here")
     args = ap.parse_args()
     collectives = tuple(c for c in args.collectives.split(",") if not (args.registered and c == "scatter"))
     itemsize = np.dtype(np.float32).itemsize
     bad = []
+    saved: dict[str, list[list[dict[str, Any]]]] = {}
     for n in (int(x) for x in args.nprocs.split(",")):
         launches: list[list[bench.Row]] = []
         counts: dict[tuple[str, int], int] = {}
-        for rep in range(args.repeat):
+        total = args.repeat * (2 if args.interleave else 1)
+        for rep in range(total):
             cfg = bench.BenchConfig(
                 collectives=collectives,
                 algorithms=("all",),
@@ -74,22 +99,31 @@ def main() -> int:
                 registered=args.registered,
                 progress=False,
             )
-            print(f"# {n} ranks: round {rep + 1}/{args.repeat}", file=sys.stderr, flush=True)
+            print(f"# {n} ranks: launch {rep + 1}/{total}", file=sys.stderr, flush=True)
             launches.append(bench.run(cfg, timeout=3600))
             for row in launches[-1]:
                 counts[(row.collective, row.size)] = row.count
-        times = {(c, a, s): t * 1e6 for (c, _, _, s, a), t in bench.paired_medians(launches).items()}
+        saved[str(n)] = [[dataclasses.asdict(r) for r in rows] for rows in launches]
+        table = None
+        judged = launches
+        if args.interleave:
+            existing = select.load_table(config.get().tune_file)
+            model = existing.model if existing is not None else select.default_model()
+            measured = tune._measured(launches[0::2], registered=args.registered)
+            table = select.TuneTable(model, config.get().slot_bytes, tuple(measured), "the even launches")
+            judged = launches[1::2]
+        times = {(c, a, s): t * 1e6 for (c, _, _, s, a), t in bench.paired_times(judged).items()}
         for collective in collectives:
             algs = sorted({a for c, a, _ in times if c == collective})
             sizes = sorted({s for c, _, s in times if c == collective})
             print(
-                f"\n## {collective}, {n} ranks: median us over {args.repeat} launches (paired by launch);"
+                f"\n## {collective}, {n} ranks: median us over {len(judged)} launches (paired by launch);"
                 " * = auto's pick"
             )
             print(f"{'size':>10} " + " ".join(f"{a:>17}" for a in algs) + f" {'auto/best':>10}")
             for size in sizes:
                 med = {a: times[(collective, a, size)] for a in algs}
-                pick = auto_pick(collective, n, counts[(collective, size)], itemsize, args.registered)
+                pick = auto_pick(collective, n, counts[(collective, size)], itemsize, args.registered, table)
                 best = min(med, key=med.__getitem__)
                 ratio = med[pick] / med[best]
                 cells = " ".join(f"{med[a]:>16.2f}{'*' if a == pick else ' '}" for a in algs)
@@ -97,6 +131,9 @@ def main() -> int:
                 print(f"{size:>10} {cells} {ratio:>10.2f}{flag}")
                 if flag:
                     bad.append(f"{collective} n={n} {size} B: auto runs {pick} ({ratio:.2f}x {best})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "launches": saved}, f)
     print()
     if bad:
         print(f"auto's pick slower than the best by more than {args.tolerance:.0%}:")

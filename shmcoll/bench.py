@@ -398,32 +398,47 @@ def bench_rank(comm: Any, cfg: BenchConfig) -> list[Row]:
     return rows if comm.rank == 0 else []
 
 
-def paired_medians(launches: Sequence[Sequence[Row]]) -> dict[tuple[str, int, str, int, str], float]:
+TRIM = 0.1  # the share of launches dropped at each end when launches are averaged
+
+
+def _trimmed_mean(values: Sequence[float]) -> float:
+    x = sorted(values)
+    k = int(len(x) * TRIM)
+    x = x[k : len(x) - k]
+    return sum(x) / len(x)
+
+
+def paired_times(launches: Sequence[Sequence[Row]]) -> dict[tuple[str, int, str, int, str], float]:
     """Per-call seconds of each algorithm from several launches' rows, compared launch by launch.
 
     Keys are ``(collective, world_size, mode, size, algorithm)``. A launch can be slower than
-    another as a whole (where the kernel placed the ranks, a slow spell of the machine), which
-    would swamp the differences between algorithms if raw times were pooled. So within a launch
-    each time is divided by that point's geometric mean over its algorithms, the median of those
-    ratios over launches is taken, and it is scaled back by the median of the geometric means.
-    With one algorithm, or one launch, this is the plain median.
+    another as a whole (a slow spell of the machine), which would swamp the differences between
+    algorithms if raw times were pooled. So within a launch each time is divided by that point's
+    geometric mean over its algorithms; those ratios are averaged over launches as logs (a
+    geometric mean, the lowest and highest tenth dropped so one wild launch cannot move it); and
+    the result is scaled back by the launches' geometric means averaged the same way.
+
+    The mean rather than the median: with more ranks than cores, where the kernel happens to
+    place the ranks favours some algorithms in one launch and others in the next, so the ratios
+    cluster in modes and a median jumps between them (benchmarks/RESULTS.md has the cross-check
+    on 30 launches at 4 ranks on 2 cores that chose this).
     """
-    ratios: dict[tuple[str, int, str, int], dict[str, list[float]]] = {}
-    means: dict[tuple[str, int, str, int], list[float]] = {}
+    logs: dict[tuple[str, int, str, int], dict[str, list[float]]] = {}
+    scales: dict[tuple[str, int, str, int], list[float]] = {}
     for rows in launches:
         by_point: dict[tuple[str, int, str, int], dict[str, float]] = {}
         for r in rows:
             if r.time_us > 0:
                 by_point.setdefault((r.collective, r.world_size, r.mode, r.size), {})[r.algorithm] = r.time_us * 1e-6
         for point, times in by_point.items():
-            mean = math.exp(sum(math.log(t) for t in times.values()) / len(times))
-            means.setdefault(point, []).append(mean)
+            scale = sum(math.log(t) for t in times.values()) / len(times)
+            scales.setdefault(point, []).append(scale)
             for algorithm, t in times.items():
-                ratios.setdefault(point, {}).setdefault(algorithm, []).append(t / mean)
+                logs.setdefault(point, {}).setdefault(algorithm, []).append(math.log(t) - scale)
     return {
-        (*point, algorithm): float(np.median(rs)) * float(np.median(means[point]))
-        for point, per_alg in ratios.items()
-        for algorithm, rs in per_alg.items()
+        (*point, algorithm): math.exp(_trimmed_mean(ls) + _trimmed_mean(scales[point]))
+        for point, per_alg in logs.items()
+        for algorithm, ls in per_alg.items()
     }
 
 

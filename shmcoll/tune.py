@@ -186,9 +186,9 @@ def calibrate(link: Link, slot_bytes: int, nslots: int) -> CostModel:
 
 def _measured(launches: Sequence[Sequence[bench.Row]], registered: bool = False) -> list[Measured]:
     """The tables of times: per (collective, algorithm, size), the launches' times compared launch
-    by launch (:func:`shmcoll.bench.paired_medians`)."""
+    by launch (:func:`shmcoll.bench.paired_times`)."""
     by_key: dict[tuple[str, int], dict[str, dict[int, float]]] = {}
-    for (collective, n, _, size, algorithm), t in bench.paired_medians(launches).items():
+    for (collective, n, _, size, algorithm), t in bench.paired_times(launches).items():
         by_key.setdefault((collective, n), {}).setdefault(algorithm, {})[size] = t
     out = []
     for (collective, n), per_alg in by_key.items():
