@@ -117,7 +117,7 @@ def main() -> int:
             algs = sorted({a for c, a, _ in times if c == collective})
             sizes = sorted({s for c, _, s in times if c == collective})
             print(
-                f"\n## {collective}, {n} ranks: median us over {len(judged)} launches (paired by launch);"
+                f"\n## {collective}, {n} ranks: us per call over {len(judged)} launches compared side by side;"
                 " * = auto's pick"
             )
             print(f"{'size':>10} " + " ".join(f"{a:>17}" for a in algs) + f" {'auto/best':>10}")

@@ -320,7 +320,7 @@ def summary(table: TuneTable, link: Link | None = None) -> str:
     for m in table.measured:
         names = list(m.times_s)
         where = " on comm.alloc buffers" if m.registered else ""
-        lines.append(f"# {m.collective}, {m.world_size} ranks{where}: median time per call")
+        lines.append(f"# {m.collective}, {m.world_size} ranks{where}: time per call (launches compared side by side)")
         lines.append(f"  {'size':>8}  " + "  ".join(f"{name:>16}" for name in names) + "  fastest")
         for size, best in fastest(m):
             i = m.sizes.index(size)
