@@ -192,6 +192,7 @@ class Communicator:
             slice_ns=_SLICE_NS,
         )
         self._calls: dict[tuple[Any, ...], _Call] = {}
+        self._auto_registered_choice: dict[tuple[Any, ...], str] = {}  # per call shape, like _calls
         # Allocations live as long as some array views them (each SharedArray holds its own):
         # dropping the arrays releases the memory, with no collective call needed.
         self._allocations: weakref.WeakSet[Allocation] = weakref.WeakSet()
@@ -623,12 +624,12 @@ class Communicator:
         if "out" in kwargs:
             args["out"] = plain_out
         algorithm = kwargs.get("algorithm", "auto")
-        placement = self._placement(name, x, out) if algorithm in ("auto", "zerocopy") else "not asked for"
-        if algorithm == "auto" and not isinstance(placement, str):
+        chosen = algorithm
+        if algorithm == "auto" and name not in _NOT_ZERO_COPY and isinstance(x, np.ndarray):
             chosen = self._auto_registered(name, x, kwargs.get("root", 0))
             if chosen != "zerocopy":  # it measured (or is modelled) slower at this size
                 args["algorithm"] = chosen
-                placement = f"auto chose {chosen}"
+        placement = self._placement(name, x, out) if chosen in ("auto", "zerocopy") else "not asked for"
         if isinstance(placement, str):
             if algorithm == "zerocopy":
                 raise UnsupportedError(f"{name}: algorithm 'zerocopy' cannot serve this call: {placement}")
@@ -658,10 +659,18 @@ class Communicator:
             root = 0
         elif not isinstance(root, (int, np.integer)) or not 0 <= root < n:
             return "zerocopy"  # the call's own checks reject it, with the usual message
-        count = x.size // n if name in ("reduce_scatter", "alltoall") else x.size
-        query = Query(name, n, count, x.dtype.itemsize, root=int(root), registered=True)
-        lay = self._arena.layout
-        return choose(query, "auto", slot_bytes=lay.slot_bytes, nslots=lay.nslots, group_size=self._group_size()).name
+        key = (name, x.size, x.dtype.itemsize, root)
+        chosen = self._auto_registered_choice.get(key)
+        if chosen is None:
+            count = x.size // n if name in ("reduce_scatter", "alltoall") else x.size
+            query = Query(name, n, count, x.dtype.itemsize, root=int(root), registered=True)
+            lay = self._arena.layout
+            groups = self._group_size()
+            chosen = choose(query, "auto", slot_bytes=lay.slot_bytes, nslots=lay.nslots, group_size=groups).name
+            if len(self._auto_registered_choice) >= _MAX_CACHED_CALLS:
+                self._auto_registered_choice.clear()
+            self._auto_registered_choice[key] = chosen
+        return chosen
 
     def _placement(self, name: str, x: Any, out: Any) -> _Placement | str:
         """Where this call's registered buffers are, or why the call cannot go zero-copy."""
