@@ -75,3 +75,53 @@ def test_copy_single_and_dual() -> None:
     copy(a, 10, b, 20, True, src, 5, 50)
     assert (a[10:60] == src[5:55]).all() and (b[20:70] == src[5:55]).all()
     assert not a[:10].any() and not a[60:].any()
+
+
+@pytest.mark.parametrize("dt", [np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.complex128)], ids=str)
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX])
+def test_combine_in_place_every_aliasing(dt: np.dtype, op: ReduceOp) -> None:
+    """In place, a destination is one of the operands (SUM and AVG take their own loops then):
+    every such aliasing, and a destination that overlaps an operand at another offset (the
+    general loop), give bitwise what the kernel gives on copies (checked against numpy above)."""
+    if not supports(op, dt):
+        pytest.skip(f"{op.name} is not defined for {dt}")
+    rng = np.random.default_rng(11)
+    n, divisor = 67, (3 if op == ReduceOp.AVG else 0)
+    base = _edge_values(dt, rng, n + 8) if op != ReduceOp.AVG else np.arange(n + 8).astype(dt)
+    other = _edge_values(dt, rng, n + 8) if op != ReduceOp.AVG else np.arange(n + 8)[::-1].astype(dt)
+
+    def want(left: np.ndarray, right: np.ndarray) -> np.ndarray:
+        out = np.zeros(n + 3, dt)
+        combine(out, 0, out, 0, False, left.copy(), 4, right.copy(), 4, n, int(op), divisor)
+        return out[:n]
+
+    cases = {  # name: (dst is, dst2 is, left operand, right operand)
+        "dst is the right operand": ("own", "slot", other, "own"),
+        "dst is the left operand": ("own", "slot", "own", other),
+        "dst2 is the right operand": ("slot", "own", other, "own"),
+        "dst2 is the left operand": ("slot", "own", "own", other),
+    }
+    for name, (dst, dst2, left, right) in cases.items():
+        own, slot = base.copy(), np.zeros(n + 8, dt)
+        arrays = {"own": own, "slot": slot}
+        lhs = own if isinstance(left, str) else left
+        rhs = own if isinstance(right, str) else right
+        expected = want(base if isinstance(left, str) else left, base if isinstance(right, str) else right)
+        for dual in (False, True):
+            own[:], slot[:] = base, 0
+            combine(arrays[dst], 4, arrays[dst2], 4, dual, lhs, 4, rhs, 4, n, int(op), divisor)
+            first = arrays[dst][4 : 4 + n]
+            assert first.tobytes() == expected.tobytes(), f"{name}, dual={dual}"
+            if dual:
+                assert arrays[dst2][4 : 4 + n].tobytes() == expected.tobytes(), name
+    # an overlap at another offset is not an alias: the general loop, element by element in order
+    own = base.copy()
+    combine(own, 5, own, 5, False, own, 4, other, 4, n, int(op), divisor)
+    ref = base.copy()
+    for i in range(n):
+        one = np.zeros(1, dt)
+        combine(
+            one, 0, one, 0, False, ref[4 + i : 5 + i].copy(), 0, other[4 + i : 5 + i].copy(), 0, 1, int(op), divisor
+        )
+        ref[5 + i] = one[0]
+    assert own.tobytes() == ref.tobytes()
