@@ -55,7 +55,7 @@ def copy(dst, doff, dst2, d2off, dual, src, soff, count):  # type: ignore[no-unt
 
 @jit(inline="always")
 def _sum_loops(d, d2, dual, a, b, count, op, divisor):  # type: ignore[no-untyped-def]
-    """SUM and AVG's loops, inlined into each of :func:`combine`'s in-place call sites."""
+    """SUM and AVG's loops, inlined into each of :func:`combine`'s call sites (one per aliasing)."""
     if op == SUM or divisor <= 0:
         if dual:
             for i in range(count):
@@ -81,9 +81,9 @@ def combine(dst, doff, dst2, d2off, dual, x, xoff, y, yoff, count, op, divisor):
 
     ``divisor > 0`` marks AVG's final combination: the sum is divided by it (once, here).
 
-    In place, ``dst`` or ``dst2`` *is* one of the operands. LLVM cannot know that: it checks at run time
-    whether the arrays overlap, finds that they do and falls back to its scalar loop (2.3x slower
-    on 1 MiB of float32). So for SUM and AVG, the ops of gradient averaging, an operand that is
+    In place, ``dst`` or ``dst2`` *is* one of the operands. LLVM cannot know that: it checks at
+    run time whether the arrays overlap, finds that they do and falls back to its scalar loop
+    (2.3x slower on 1 MiB of float32). So for SUM and AVG, the ops of gradient averaging, an operand that is
     a destination is passed as that destination array itself: one pointer, nothing to check,
     and the inlined loops vectorize. (Doing the same for every op tripled the engine's compile
     time; the other ops stay correct in place, only slower.)
@@ -92,38 +92,18 @@ def combine(dst, doff, dst2, d2off, dual, x, xoff, y, yoff, count, op, divisor):
     d2 = dst2[d2off : d2off + count]
     a = x[xoff : xoff + count]
     b = y[yoff : yoff + count]
-    if count > 0 and op in (SUM, AVG):
-        if d.ctypes.data == b.ctypes.data:
+    if op in (SUM, AVG):
+        if count > 0 and d.ctypes.data == b.ctypes.data:
             _sum_loops(d, d2, dual, a, d, count, op, divisor)
-            return
-        if d.ctypes.data == a.ctypes.data:
+        elif count > 0 and d.ctypes.data == a.ctypes.data:
             _sum_loops(d, d2, dual, d, b, count, op, divisor)
-            return
         # A ring step in place: the slot is ``dst``, the output (= this rank's input) ``dst2``.
-        if dual and d2.ctypes.data == b.ctypes.data:
+        elif count > 0 and dual and d2.ctypes.data == b.ctypes.data:
             _sum_loops(d, d2, True, a, d2, count, op, divisor)
-            return
-        if dual and d2.ctypes.data == a.ctypes.data:
+        elif count > 0 and dual and d2.ctypes.data == a.ctypes.data:
             _sum_loops(d, d2, True, d2, b, count, op, divisor)
-            return
-    if op == SUM or (op == AVG and divisor <= 0):
-        if dual:
-            for i in range(count):
-                v = add(a[i], b[i])
-                d[i] = v
-                d2[i] = v
         else:
-            for i in range(count):
-                d[i] = add(a[i], b[i])
-    elif op == AVG:
-        if dual:
-            for i in range(count):
-                v = divide_count(add(a[i], b[i]), divisor)
-                d[i] = v
-                d2[i] = v
-        else:
-            for i in range(count):
-                d[i] = divide_count(add(a[i], b[i]), divisor)
+            _sum_loops(d, d2, dual, a, b, count, op, divisor)
     elif op == PROD:
         if dual:
             for i in range(count):
