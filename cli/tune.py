@@ -33,7 +33,7 @@ def _size(ctx: click.Context, param: click.Parameter, value: str) -> int:
     type=int,
     default=3,
     show_default=True,
-    help="Sweeps, each in a launch of its own; each time is the median over them.",
+    help="Sweeps, each in a launch of its own, compared launch by launch and averaged.",
 )
 @click.option(
     "--registered/--no-registered",

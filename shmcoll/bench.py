@@ -179,12 +179,12 @@ class _Buffers:
         op: ReduceOp,
         root: int,
         inplace: bool,
-        algorithm: str,
         registered: bool,
     ) -> None:
         n, r = comm.world_size, comm.rank
         self.comm, self.collective, self.dtype, self.op, self.root = comm, collective, dtype, op, root
-        self.inplace, self.algorithm = inplace, algorithm
+        self.inplace = inplace
+        self.algorithm = "auto"  # set by the caller before each run: one buffer set serves all algorithms
         total = nbytes // dtype.itemsize
         blocked = collective in ("allgather", "reduce_scatter", "alltoall", "gather", "scatter")
         self.block = total // n if blocked else total
@@ -301,7 +301,7 @@ def _time_point(
 
     The iterations are dealt out in ``cfg.rounds`` rounds, and in each round every algorithm runs
     its share, starting with a different algorithm each round. This machine's slow spells last
-    seconds, longer than a round, so they land on every algorithm alike: the comparison between
+    seconds to minutes, longer than a round, so they land on every algorithm alike: the comparison between
     algorithms stays fair even when the absolute times drift.
     """
     reps = _reps(comm, bufs, algorithms, cfg)
@@ -359,9 +359,7 @@ def bench_rank(comm: Any, cfg: BenchConfig) -> list[Row]:
         if cfg.progress and comm.rank == 0:
             sys.stderr.write(f"\r\033[K[{done}/{len(points)}] {collective} {nbytes} B {mode}")
             sys.stderr.flush()
-        bufs = _Buffers(
-            comm, collective, nbytes, dtype, op, max(root, 0), mode == "in-place", algorithms[0], cfg.registered
-        )
+        bufs = _Buffers(comm, collective, nbytes, dtype, op, max(root, 0), mode == "in-place", cfg.registered)
         timed = _time_point(comm, bufs, algorithms, cfg)
         wrong = np.full(len(algorithms), -1, np.int64)
         if cfg.check:

@@ -572,8 +572,8 @@ class Communicator:
         such arrays can read the peers' data in place (algorithm ``zerocopy``) when every rank
         passes its array from the same allocation, at the same place (``comm.allreduce(buf)``
         with ``buf = comm.alloc(...)`` on every rank); ``auto`` takes it where it is the faster
-        choice (large calls: it saves a copy but costs barriers). The memory is released once no array views it
-        any longer on any rank (or when the communicator closes).
+        choice (large calls: it saves a copy but costs barriers). The memory is released once no
+        array views it any longer on any rank (or when the communicator closes).
         """
         self._check_usable()
         dims = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
@@ -649,7 +649,7 @@ class Communicator:
             return out
         return result
 
-    def _auto_registered(self, name: str, x: SharedArray, root: Any) -> str:
+    def _auto_registered(self, name: str, x: np.ndarray, root: Any) -> str:
         """What ``auto`` runs for a call that could go zero-copy: ``zerocopy`` saves a copy but
         pays two or three barriers, so the selection weighs it against the other algorithms on
         such buffers (measured by ``shmcoll tune``, else modelled). Every rank of a valid call

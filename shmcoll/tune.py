@@ -2,8 +2,8 @@
 
 Per world size, ``repeat`` jobs (``shmcoll.spawn``, one launch each) run on their ranks:
 
-1. **the link** (first launch of the first world size, ranks 0 and 1): the median one-way time of a small and
-   of a large point-to-point message (ping-pong halves), and the median time of a call that
+1. **the link** (first launch of the first world size, ranks 0 and 1): the median one-way time
+   of a small and of a large point-to-point message (ping-pong halves), and the median time of a call that
    moves nothing (a world-size-1 communicator), which every call pays whatever its algorithm.
    ``alpha`` and ``beta`` are then solved from the simulator's own figures for the two
    point-to-point plans, so the model is calibrated on the plans it predicts;
@@ -13,10 +13,11 @@ Per world size, ``repeat`` jobs (``shmcoll.spawn``, one launch each) run on thei
    the same on buffers from ``comm.alloc`` for the collectives with a ``zerocopy`` form (which
    competes only there); ``auto`` decides registered calls from those times.
 
-The table (``config.tune_file``, JSON) holds the model, the slot size, the measured median
-times, and the fastest algorithm per size with the crossovers, and is what ``algorithm="auto"``
-reads (:mod:`shmcoll.algos.select`). Entries for (collective, world size) pairs not measured in
-this run are kept from an existing table.
+The table (``config.tune_file``, JSON) holds the model, the slot size, the measured times
+(launches combined by :func:`shmcoll.bench.paired_times`), and the fastest algorithm per size
+with the crossovers, and is what ``algorithm="auto"`` reads (:mod:`shmcoll.algos.select`).
+Entries for (collective, world size, kind of buffer) not measured in this run are kept from an
+existing table.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class TuneConfig:
     step_factor: float = 4.0
     iters: int = 10
     warmup: int = 3
-    repeat: int = 3  # sweeps, each in its own launch; each time is the median over them
+    repeat: int = 3  # sweeps, each in its own launch, combined by bench.paired_times
     dtype: str = "float32"
     link_small_bytes: int = 8
     link_large_bytes: int = 16 << 20
@@ -270,7 +271,7 @@ def run(
     for n in sorted(set(cfg.world_sizes)):
         # Each sweep in a launch of its own: where the kernel places the ranks on the cores
         # differs from launch to launch and, with more ranks than cores, favours different
-        # algorithms; the median over launches is what a user's run should expect.
+        # algorithms; the launches averaged (bench.paired_times) are what a user's run should expect.
         for rep in range(cfg.repeat):
             say(f"tuning on {n} rank(s), sweep {rep + 1}/{cfg.repeat}")
             measure_link = n == link_n and rep == 0

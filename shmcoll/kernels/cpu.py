@@ -83,9 +83,9 @@ def combine(dst, doff, dst2, d2off, dual, x, xoff, y, yoff, count, op, divisor):
 
     In place, ``dst`` or ``dst2`` *is* one of the operands. LLVM cannot know that: it checks at
     run time whether the arrays overlap, finds that they do and falls back to its scalar loop
-    (2.3x slower on 1 MiB of float32). So for SUM and AVG, the ops of gradient averaging, an operand that is
-    a destination is passed as that destination array itself: one pointer, nothing to check,
-    and the inlined loops vectorize. (Doing the same for every op tripled the engine's compile
+    (2.3x slower on 1 MiB of float32). So for SUM and AVG, the ops of gradient averaging, an
+    operand that is a destination is passed as that destination array itself: one pointer,
+    nothing to check, and the inlined loops vectorize. (Doing the same for every op tripled the engine's compile
     time; the other ops stay correct in place, only slower.)
     """
     d = dst[doff : doff + count]

@@ -81,15 +81,18 @@ def _auto_weighs_zero_copy(comm):  # type: ignore[no-untyped-def]
     old_level = log.level
     log.addHandler(handler)
     log.setLevel(logging.INFO)
+    # A communicator of its own: its decisions are made here, not cached by an earlier test.
+    sub = comm.split(color=0)
     try:
-        n = comm.world_size
+        n = sub.world_size
         for count in (2, 4 << 20):
-            x = comm.alloc(count, np.float32)
-            x[:] = comm.rank + 1
-            comm.allreduce(x)
+            x = sub.alloc(count, np.float32)
+            x[:] = sub.rank + 1
+            sub.allreduce(x)
             assert (x == n * (n + 1) // 2).all()
             del x
     finally:
+        sub.close()
         log.removeHandler(handler)
         log.setLevel(old_level)
         for k, v in saved.items():  # the pool's ranks serve later tests
