@@ -170,9 +170,16 @@ def run(nprocs, module, timeout, comm_timeout, slot_bytes, nslots, argv) -> None
         raise click.UsageError("give a script (or -m MODULE) to run")
     if nprocs < 1:
         raise click.UsageError("--nprocs must be >= 1")
-    sys.exit(
-        run_script(nprocs, list(argv), timeout=timeout, comm_timeout=comm_timeout, slot_bytes=slot_bytes, nslots=nslots)
-    )
+    from shmcoll.errors import ShmcollError
+
+    try:
+        code = run_script(
+            nprocs, list(argv), timeout=timeout, comm_timeout=comm_timeout, slot_bytes=slot_bytes, nslots=nslots
+        )
+    except (ShmcollError, ValueError, TypeError) as exc:
+        click.echo(f"shmcoll run: {exc}", err=True)
+        sys.exit(1)
+    sys.exit(code)
 
 
 # --- info and cleanup -----------------------------------------------------------------------------
@@ -213,15 +220,26 @@ def info() -> None:
 @click.option("--dry-run", is_flag=True, help="List what would be removed.")
 @click.option("--min-age", type=float, default=0.0, show_default=True, help="Only segments older than this (s).")
 def cleanup(dry_run, min_age) -> None:  # type: ignore[no-untyped-def]
-    """Remove shmcoll segments in /dev/shm whose owning process is gone (never a live job's)."""
-    from shmcoll.shm.segment import cleanup_stale, list_segments, stale_segments
+    """Remove shmcoll segments in /dev/shm whose job is provably gone (never a live job's).
 
-    stale = stale_segments(min_age) if dry_run else cleanup_stale(min_age)
-    live = [s for s in list_segments() if s not in stale]
+    A segment whose creator cannot be checked from here (it ran in another PID namespace, say
+    another container sharing /dev/shm) is kept, and listed with the reason.
+    """
+    from shmcoll.shm.cleanup import survey
+    from shmcoll.shm.segment import SHM_DIR, unlink_path
+
+    verdicts = survey(min_age)
     verb = "would remove" if dry_run else "removed"
-    for name in stale:
-        click.echo(f"{verb} /dev/shm/{name}")
-    click.echo(f"{verb} {len(stale)} stale segment(s); {len(live)} belong to live jobs")
+    stale = [v for v in verdicts if v.state == "stale"]
+    for v in stale:
+        if not dry_run:
+            unlink_path(os.path.join(SHM_DIR, v.name))
+        click.echo(f"{verb} /dev/shm/{v.name} ({v.reason})")
+    unknown = [v for v in verdicts if v.state == "unknown"]
+    for v in unknown:
+        click.echo(f"kept /dev/shm/{v.name}: {v.reason}")
+    live = sum(v.state == "live" for v in verdicts)
+    click.echo(f"{verb} {len(stale)} stale segment(s); {live} belong to live jobs; {len(unknown)} kept unjudged")
 
 
 # --- commands in their own modules ----------------------------------------------------------

@@ -12,14 +12,16 @@ instead of waiting for their own timeouts.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import pickle
 import sys
+import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,8 @@ from shmcoll.errors import (
     CollectiveMismatchError,
     CollectiveTimeout,
     CommunicatorBrokenError,
+    ConcurrentCallError,
+    ForkedCommunicatorError,
     PeerLostError,
     ShmcollError,
     UnsupportedError,
@@ -42,7 +46,8 @@ from shmcoll.plan import ir
 from shmcoll.plan.passes import segment
 from shmcoll.plan.verify import verify
 from shmcoll.shm import layout as L
-from shmcoll.shm.arena import Arena, ArenaHandle
+from shmcoll.shm.arena import Arena, ArenaHandle, proc_stat
+from shmcoll.shm.atomics import atomic_cas, write_word
 from shmcoll.shm.registered import Allocation, SharedArray, region_bytes
 from shmcoll.shm.segment import Segment, segment_name
 from shmcoll.types import (
@@ -128,10 +133,42 @@ class _Placement:
         self.tag = hash(tag) & 0x7FFF_FFFF_FFFF_FFFF
 
 
-class _Call:
-    """Everything the hot path needs for one call shape, built once and cached."""
+# Every connected communicator of this process, so that a fork can disable them in the child.
+_CONNECTED: weakref.WeakSet[Communicator] = weakref.WeakSet()
 
-    __slots__ = ("prog", "edt", "data", "tmp", "f16", "sig", "kind", "label", "dummy", "count", "registered")
+
+def _after_fork_in_child() -> None:
+    for comm in list(_CONNECTED):
+        comm._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class _Call:
+    """Everything the hot path needs for one call shape, built once and cached.
+
+    The encoded program is kept three times, one per way the engine may enter it (``ir.ENTRY_*``):
+    ``prog`` starts a call, ``prog_nested`` starts one inside a call made of several (which
+    holds the communicator), and ``prog_resume`` continues a started call; only the thread that
+    started a call ever uses the last one.
+    """
+
+    __slots__ = (
+        "prog",
+        "prog_resume",
+        "prog_nested",
+        "edt",
+        "data",
+        "tmp",
+        "f16",
+        "sig",
+        "kind",
+        "label",
+        "dummy",
+        "count",
+        "registered",
+    )
 
     def __init__(
         self,
@@ -146,6 +183,8 @@ class _Call:
         count: int,
     ) -> None:
         self.prog = prog
+        self.prog_resume = ir.with_entry(prog, ir.ENTRY_RESUME)
+        self.prog_nested = ir.with_entry(prog, ir.ENTRY_NESTED)
         self.edt = edt
         self.data = data
         self.tmp = tmp
@@ -164,8 +203,15 @@ class Communicator:
 
     Every method is collective over the communicator's ranks (except :meth:`send` and
     :meth:`recv`), takes ``algorithm=`` (``"auto"`` or a registered name) and ``timeout=``
-    (seconds; default: the communicator's, ``SHMCOLL_TIMEOUT``), and works on C-contiguous
-    numpy arrays of any shape, treated as flat. Results are bitwise identical on every rank.
+    (seconds, ``inf`` for no limit; default: the communicator's, ``SHMCOLL_TIMEOUT``), and works
+    on C-contiguous numpy arrays of any shape, treated as flat. Results are bitwise identical on
+    every rank.
+
+    **Threads and processes.** Calls on one communicator must not overlap: a call made while
+    another thread (or a signal handler) is in one raises :class:`ConcurrentCallError` at once,
+    before it does anything. A communicator belongs to the process that connected it: in a
+    forked child every call (and ``close``) raises :class:`ForkedCommunicatorError` and leaves the
+    shared state alone.
     """
 
     def __init__(self, arena: Arena, rank: int, *, timeout: float | None = None) -> None:
@@ -174,9 +220,9 @@ class Communicator:
         self._arena = arena
         self._rank = rank
         self._world_size = arena.layout.world_size
-        self._timeout = float(cfg.timeout_s if timeout is None else timeout)
-        if self._timeout <= 0:
-            raise ValueError(f"timeout must be > 0, got {timeout}")
+        self._timeout = cfg.timeout_s if timeout is None else config.timeout_s(timeout)
+        self._pid = os.getpid()
+        self._nested_owner: int | None = None  # the thread holding the communicator for a nested call
         self._ctrl = arena.ctrl
         cores = len(os.sched_getaffinity(0))
         oversubscribed = self._world_size > cores
@@ -208,6 +254,7 @@ class Communicator:
         self._log = _RankPrefix(log, {"rank": rank})
         self._trace = log.isEnabledFor(TRACE)
         arena.register(rank)
+        _CONNECTED.add(self)
         self._log.info(
             "connected: world_size=%d, %d slots of %d bytes per ring, timeout %.1fs",
             self._world_size,
@@ -586,31 +633,59 @@ class Communicator:
         rb = region_bytes(nbytes)
         if rb * self._world_size > self._mem_total:
             raise ValueError(f"alloc: {rb * self._world_size:,} bytes of shared memory is more than this machine has")
-        asked = self.allgather_object((dims, dt.str), timeout=timeout)
-        if any(a != asked[self._rank] for a in asked):
-            raise ValueError(f"alloc must get the same shape and dtype on every rank; got {asked}")
-        offer: Any = None
+        error: Exception | None = None
         segment = None
-        if self._rank == 0:
-            try:
-                name = segment_name(self._arena.handle.token, f"buf{next(_ALLOCATIONS)}")
-                segment = Segment.create(name, rb * self._world_size, what_for=f"alloc({dims}, {dt})")
-                offer = name
-            except ShmcollError as exc:
-                offer = ("error", str(exc))
-        offer = self.broadcast_object(offer, timeout=timeout)
-        if isinstance(offer, tuple):
-            raise ShmcollError(f"alloc: rank 0 could not create the shared memory: {offer[1]}")
-        try:
-            if segment is None:
-                segment = Segment.attach(offer, rb * self._world_size)
-        finally:
-            self.barrier(timeout=timeout)  # everyone has mapped it (or failed) before it is unlinked
-            if self._rank == 0 and segment is not None:
-                segment.unlink()
+        with self._nested("alloc", timeout):
+            asked = self.allgather_object((dims, dt.str), timeout=timeout)
+            if any(a != asked[self._rank] for a in asked):
+                error = ValueError(f"alloc must get the same shape and dtype on every rank; got {asked}")
+            else:
+                name_part = f"buf{next(_ALLOCATIONS)}"
+                segment, error = self._shared_segment("alloc", name_part, rb * self._world_size, timeout)
+        if error is not None:  # the same on every rank: raised after the block, it breaks nothing
+            raise error
+        assert segment is not None
         allocation = Allocation(next(self._allocation_ids), segment, self._world_size, rb)
         self._allocations.add(allocation)
         return allocation.region(self._rank, dims, dt)
+
+    def _shared_segment(
+        self, what: str, name_part: str, nbytes: int, timeout: float | None
+    ) -> tuple[Segment | None, Exception | None]:
+        """Rank 0 creates a segment, every rank maps it, rank 0 unlinks its name (collective).
+
+        Returns the segment, or the error that every rank raises alike: a failure to create it on
+        rank 0 or to map it on any rank becomes an error on every rank (never a hang, never one
+        rank with memory its peers lack).
+        """
+        offer: Any = None
+        segment: Segment | None = None
+        if self._rank == 0:
+            try:
+                segment = Segment.create(
+                    segment_name(self._arena.handle.token, name_part), nbytes, what_for=f"{what} ({nbytes:,} bytes)"
+                )
+                offer = segment.name
+            except Exception as exc:  # noqa: BLE001  (every rank must learn it)
+                offer = ("error", f"{type(exc).__name__}: {exc}")
+        offer = self.broadcast_object(offer, timeout=timeout)
+        if isinstance(offer, tuple):
+            return None, ShmcollError(f"{what}: rank 0 could not create the shared memory: {offer[1]}")
+        failure = None
+        try:
+            if segment is None:
+                segment = Segment.attach(offer, nbytes)
+        except Exception as exc:  # noqa: BLE001
+            failure = f"{type(exc).__name__}: {exc}"
+        failures = self.allgather_object(failure, timeout=timeout)  # all mapped (or failed): unlink
+        if self._rank == 0 and segment is not None:
+            segment.unlink()
+        failed = {r: f for r, f in enumerate(failures) if f is not None}
+        if failed:
+            if segment is not None:
+                segment.close()
+            return None, ShmcollError(f"{what}: rank(s) {sorted(failed)} could not map the shared memory: {failed}")
+        return segment, None
 
     def _call_registered(self, name: str, x: Any, **kwargs: Any) -> Any:
         """A call on arrays from :meth:`alloc`: zero-copy where possible, else the usual path."""
@@ -722,27 +797,38 @@ class Communicator:
         return inp, res
 
     # --- object collectives -------------------------------------------------------------------
+    # Each is a few array collectives held together by _nested. Errors that every rank learns
+    # alike (an object that does not pickle) are raised after the block, on every rank, and
+    # leave the communicator usable; anything else that escapes half way breaks it.
     def broadcast_object(self, obj: Any, root: int = 0, *, timeout: float | None = None) -> Any:
         """Root's picklable ``obj`` on every rank (root gets its own object back)."""
         self._check_root(root)
-        payload, error = self._pickle(obj) if self._rank == root else (b"", None)
-        size = np.array([len(payload) if error is None else -1], dtype=np.int64)
-        self.broadcast(size, root=root, timeout=timeout)
+        with self._nested("broadcast_object", timeout):
+            payload, error = self._pickle(obj) if self._rank == root else (b"", None)
+            size = np.array([len(payload) if error is None else -1], dtype=np.int64)
+            self.broadcast(size, root=root, timeout=timeout)
+            if size[0] >= 0:
+                if self._rank == root:
+                    buf = np.frombuffer(bytearray(payload), np.uint8)
+                else:
+                    buf = np.empty(int(size[0]), np.uint8)
+                self.broadcast(buf, root=root, timeout=timeout)
         if size[0] < 0:
             if error is not None:
                 raise TypeError(f"broadcast_object: cannot pickle the object: {error}") from error
             raise ValueError(f"broadcast_object: root rank {root} could not pickle its object")
-        buf = np.frombuffer(bytearray(payload), np.uint8) if self._rank == root else np.empty(int(size[0]), np.uint8)
-        self.broadcast(buf, root=root, timeout=timeout)
         return obj if self._rank == root else pickle.loads(buf.tobytes())
 
     def allgather_object(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
         """Every rank's picklable ``obj``, as a list indexed by rank, on every rank."""
-        payload, error = self._pickle(obj)
-        sizes = self.allgather(np.array([len(payload) if error is None else -1], np.int64), timeout=timeout)[:, 0]
-        self._raise_pickle_failures("allgather_object", sizes, error)
-        blocks = self._padded(payload, int(sizes.max()))
-        everything = self.allgather(blocks, timeout=timeout)
+        with self._nested("allgather_object", timeout):
+            payload, error = self._pickle(obj)
+            sizes = self.allgather(np.array([len(payload) if error is None else -1], np.int64), timeout=timeout)[:, 0]
+            failure = self._pickle_failure("allgather_object", sizes, error)
+            if failure is None:
+                everything = self.allgather(self._padded(payload, int(sizes.max())), timeout=timeout)
+        if failure is not None:
+            raise failure
         return [
             obj if r == self._rank else pickle.loads(everything[r, : sizes[r]].tobytes())
             for r in range(self._world_size)
@@ -751,11 +837,14 @@ class Communicator:
     def gather_object(self, obj: Any, root: int = 0, *, timeout: float | None = None) -> list[Any] | None:
         """Every rank's picklable ``obj`` as a list on ``root``; ``None`` elsewhere."""
         self._check_root(root)
-        payload, error = self._pickle(obj)
-        sizes = self.allgather(np.array([len(payload) if error is None else -1], np.int64), timeout=timeout)[:, 0]
-        self._raise_pickle_failures("gather_object", sizes, error)
-        blocks = self._padded(payload, int(sizes.max()))
-        everything = self.gather(blocks, root=root, timeout=timeout)
+        with self._nested("gather_object", timeout):
+            payload, error = self._pickle(obj)
+            sizes = self.allgather(np.array([len(payload) if error is None else -1], np.int64), timeout=timeout)[:, 0]
+            failure = self._pickle_failure("gather_object", sizes, error)
+            if failure is None:
+                everything = self.gather(self._padded(payload, int(sizes.max())), root=root, timeout=timeout)
+        if failure is not None:
+            raise failure
         if everything is None:
             return None
         return [
@@ -770,29 +859,36 @@ class Communicator:
         payloads: list[bytes] = []
         if self._rank == root:
             if objs is None or len(objs) != self._world_size:
-                error = ValueError(f"scatter_object: root needs a sequence of world_size={self._world_size} objects")
+                got = "None" if objs is None else f"{len(objs)} objects"
+                error = ValueError(
+                    f"scatter_object: root needs a sequence of world_size={self._world_size} objects, got {got}"
+                )
             else:
                 for o in objs:
-                    p, error = self._pickle(o)
-                    if error is not None:
+                    p, pickle_error = self._pickle(o)
+                    if pickle_error is not None:
+                        error = TypeError(f"scatter_object: cannot pickle an object: {pickle_error}")
+                        error.__cause__ = pickle_error
                         break
                     payloads.append(p)
-        if self._rank == root and error is None:
-            sizes = np.array([len(p) for p in payloads], np.int64)
-        else:
-            sizes = np.full(self._world_size, -1, np.int64)  # non-roots: overwritten by the broadcast
-        self.broadcast(sizes, root=root, timeout=timeout)
+        with self._nested("scatter_object", timeout):
+            if self._rank == root and error is None:
+                sizes = np.array([len(p) for p in payloads], np.int64)
+            else:
+                sizes = np.full(self._world_size, -1, np.int64)  # non-roots: overwritten by the broadcast
+            self.broadcast(sizes, root=root, timeout=timeout)
+            if sizes[0] >= 0:
+                width = int(sizes.max()) if len(sizes) else 0
+                blocks = np.zeros((self._world_size, width), np.uint8)
+                if self._rank == root:
+                    for r, p in enumerate(payloads):
+                        blocks[r, : len(p)] = np.frombuffer(p, np.uint8)
+                mine = np.empty(width, np.uint8)
+                self.scatter(blocks if self._rank == root else None, root=root, out=mine, timeout=timeout)
         if sizes[0] < 0:
             if error is not None:
-                raise TypeError(f"scatter_object: {error}") from error
-            raise ValueError(f"scatter_object: root rank {root} could not pickle its objects")
-        width = int(sizes.max()) if len(sizes) else 0
-        blocks = np.zeros((self._world_size, width), np.uint8)
-        if self._rank == root:
-            for r, p in enumerate(payloads):
-                blocks[r, : len(p)] = np.frombuffer(p, np.uint8)
-        mine = np.empty(width, np.uint8)
-        self.scatter(blocks if self._rank == root else None, root=root, out=mine, timeout=timeout)
+                raise error
+            raise ValueError(f"scatter_object: root rank {root} could not scatter its objects (see its error)")
         if self._rank == root:
             return objs[root]  # type: ignore[index]
         return pickle.loads(mine[: sizes[self._rank]].tobytes())
@@ -810,13 +906,16 @@ class Communicator:
         block[: len(payload)] = np.frombuffer(payload, np.uint8)
         return block
 
-    def _raise_pickle_failures(self, what: str, sizes: np.ndarray, error: Exception | None) -> None:
+    def _pickle_failure(self, what: str, sizes: np.ndarray, error: Exception | None) -> Exception | None:
+        """The error every rank raises when some rank's object did not pickle (sizes -1)."""
         failed = [int(r) for r in np.flatnonzero(sizes < 0)]
         if not failed:
-            return
+            return None
         if error is not None:
-            raise TypeError(f"{what}: cannot pickle rank {self._rank}'s object: {error}") from error
-        raise ValueError(f"{what}: rank(s) {failed} could not pickle their objects")
+            exc: Exception = TypeError(f"{what}: cannot pickle rank {self._rank}'s object: {error}")
+            exc.__cause__ = error
+            return exc
+        return ValueError(f"{what}: rank(s) {failed} could not pickle their objects")
 
     # --- sub-communicators --------------------------------------------------------------------
     def split(self, color: int | None, key: int | None = None, *, timeout: float | None = None) -> Communicator | None:
@@ -827,58 +926,82 @@ class Communicator:
         if color is not None and (not isinstance(color, (int, np.integer)) or color < 0):
             raise ValueError(f"split: color must be a non-negative int or None, got {color!r}")
         key = self._rank if key is None else int(key)
-        infos = self.allgather_object((None if color is None else int(color), key), timeout=timeout)
-        members: list[int] = []
-        if color is not None:
-            members = [r for _, r in sorted((infos[r][1], r) for r in range(self._world_size) if infos[r][0] == color)]
-        arena: Arena | None = None
-        offer: Any = None
-        if members and members[0] == self._rank:
-            try:
-                lay = self._arena.layout
-                what = f"c{self._state[engine.S_SEQ]}r{self._rank}"
-                arena = Arena.create(len(members), lay.nslots, lay.slot_bytes, self._arena.handle.token, what)
-                offer = arena.handle
-            except ShmcollError as exc:
-                offer = str(exc)
-        offers = self.allgather_object(offer, timeout=timeout)
-        if color is None:
-            self.barrier(timeout=timeout)
-            return None
-        mine = offers[members[0]]
-        try:
-            if isinstance(mine, str):
-                raise ShmcollError(f"split: rank {members[0]} could not create the sub-communicator: {mine}")
-            if arena is None:
-                arena = Arena.attach(mine)
-            sub = Communicator(arena, members.index(self._rank), timeout=self._timeout)
-        finally:
+        sub: Communicator | None = None
+        error: Exception | None = None
+        with self._nested("split", timeout):
+            infos = self.allgather_object((None if color is None else int(color), key), timeout=timeout)
+            members: list[int] = []
+            if color is not None:
+                members = [
+                    r for _, r in sorted((infos[r][1], r) for r in range(self._world_size) if infos[r][0] == color)
+                ]
+            arena: Arena | None = None
+            offer: Any = None
+            if members and members[0] == self._rank:
+                try:
+                    lay = self._arena.layout
+                    what = f"c{self._state[engine.S_SEQ]}r{self._rank}"
+                    arena = Arena.create(len(members), lay.nslots, lay.slot_bytes, self._arena.handle.token, what)
+                    offer = arena.handle
+                except Exception as exc:  # noqa: BLE001  (every member must learn it)
+                    offer = f"{type(exc).__name__}: {exc}"
+            offers = self.allgather_object(offer, timeout=timeout)
+            failure = None
+            if members:
+                mine = offers[members[0]]
+                if isinstance(mine, str):
+                    failure = f"rank {members[0]} could not create the sub-communicator: {mine}"
+                else:
+                    try:
+                        if arena is None:
+                            arena = Arena.attach(mine)
+                        sub = Communicator(arena, members.index(self._rank), timeout=self._timeout)
+                    except Exception as exc:  # noqa: BLE001
+                        failure = f"rank {self._rank} could not join: {type(exc).__name__}: {exc}"
+                        if arena is not None and sub is None:
+                            arena.close()
             # Everyone has attached (or failed) before the creator drops the name.
-            self.barrier(timeout=timeout)
+            failures = self.allgather_object(failure, timeout=timeout)
             if arena is not None and arena.segment.owner:
                 arena.segment.unlink()
+            ours = sorted({f for r, f in enumerate(failures) if f is not None and r in members})
+            if ours:
+                if sub is not None:
+                    sub.close()
+                    sub = None
+                error = ShmcollError(f"split: {'; '.join(ours)}")
+        if error is not None:  # every member of the color learnt the same failures
+            raise error
         return sub
 
     # --- lifetime -----------------------------------------------------------------------------
     def abort(self, reason: str = "") -> None:
         """Make every rank's pending and future calls fail with :class:`CommunicatorBrokenError`."""
-        if self._closed:
+        if self._closed or self._is_forked():
             return
         engine.raise_abort(self._ctrl, self._state, L.ABORT_USER, -1, int(self._state[engine.S_TAG_SEQ]), 0, 0, 0, 0)
         self._broken = f"rank {self._rank} called abort()" + (f": {reason}" if reason else "")
 
     def _abort_for_error(self, detail: str) -> None:
         """Abort because this rank's own code failed; peers raise at once instead of timing out."""
-        if self._closed:
+        if self._closed or self._is_forked():
             return
         engine.raise_abort(self._ctrl, self._state, L.ABORT_ERROR, -1, self._seq(), 0, 0, 0, 0)
         self._broken = f"rank {self._rank} failed: {detail}"
 
     def close(self) -> None:
-        """Leave the communicator (peers waiting on this rank will get :class:`PeerLostError`)."""
+        """Leave the communicator (peers waiting on this rank will get :class:`PeerLostError`).
+
+        In a forked child of the process that connected it, only this process's own view is
+        dropped: the peers and the parent are not told anything.
+        """
         if self._closed:
             return
         self._closed = True
+        if self._is_forked():
+            self._calls.clear()
+            self._broken = self._broken or "the communicator is closed"
+            return
         if "shmcoll.device" in sys.modules:  # never import CUDA just to close
             sys.modules["shmcoll.device"].forget(self)
         self._calls.clear()
@@ -1147,12 +1270,74 @@ class Communicator:
         return topology.group_size_for(affinities, topology.machine())
 
     def _check_usable(self) -> None:
+        if self._broken is None and os.getpid() != self._pid:
+            self._forked()  # a fork that ran no at-fork hooks (from C)
         if self._broken is not None:
+            if self._is_forked():
+                raise ForkedCommunicatorError(f"rank {self._rank}: {self._broken}")
             raise CommunicatorBrokenError(f"rank {self._rank}: communicator unusable: {self._broken}")
+
+    def _is_forked(self) -> bool:
+        return os.getpid() != self._pid
+
+    def _forked(self) -> None:
+        """This process is a fork of the one that connected: never touch the shared state."""
+        self._broken = (
+            f"this process (pid {os.getpid()}) is a fork of the process that connected the communicator "
+            f"(pid {self._pid}); a communicator belongs to the process that connected it: connect anew in "
+            f"the child (group.connect(rank)) or create communicators after forking"
+        )
+
+    @contextlib.contextmanager
+    def _nested(self, what: str, timeout: float | None) -> Iterator[None]:
+        """Hold the communicator for a call made of several collectives (object collectives,
+        ``alloc``, ``split``), so that no other thread's call interleaves with its parts.
+
+        An exception that escapes once the parts have started communicating leaves the ranks in
+        different places: it breaks the communicator (and aborts the peers), unless the body
+        raises it after the block, on every rank alike (an *agreed* error).
+        """
+        if timeout is not None:
+            config.timeout_s(timeout)
+        me = threading.get_ident()
+        if self._nested_owner == me:  # inside one of this thread's own nested calls
+            yield
+            return
+        self._check_usable()
+        if int(atomic_cas(self._state, engine.S_NESTED, 0, 1)) != 0:
+            raise ConcurrentCallError(self._concurrent_message(what))
+        self._nested_owner = me
+        seq = int(self._state[engine.S_SEQ])
+        try:
+            if int(self._state[engine.S_ACTIVE]) != 0:  # a plain call of another thread is under way
+                raise ConcurrentCallError(self._concurrent_message(what))
+            yield
+        except BaseException as exc:
+            if self._broken is None and int(self._state[engine.S_SEQ]) != seq:
+                self._abort_for_error(f"{what} failed half way: {type(exc).__name__}: {exc}")
+            raise
+        finally:
+            self._nested_owner = None
+            write_word(self._state, engine.S_NESTED, 0)
+
+    def _concurrent_message(self, what: str) -> str:
+        return (
+            f"rank {self._rank}: {what} was called while another thread (or a signal handler) is in a call on "
+            f"this communicator; calls on one communicator must not overlap: give each thread its own "
+            f"communicator (comm.split) or serialise the calls with a lock. Nothing was done."
+        )
 
     def _run(self, call: _Call, x: np.ndarray | None, out: np.ndarray | None, timeout: float | None) -> None:
         if self._broken is not None:
             self._check_usable()
+        limit = self._timeout if timeout is None else config.timeout_s(timeout)
+        owner = self._nested_owner
+        if owner is None:
+            prog = call.prog
+        elif owner == threading.get_ident():
+            prog = call.prog_nested
+        else:
+            raise ConcurrentCallError(self._concurrent_message(call.label))
         edt = call.edt
         if call.registered:
             inp, res = self._registered_buffers(call, x, out)
@@ -1180,20 +1365,29 @@ class Communicator:
                     res = res.view(edt)
         if self._trace:
             t0 = time.perf_counter()
-        st = engine.execute(call.prog, inp, res, call.tmp, call.data, self._ctrl, self._state)
+        st = engine.execute(prog, inp, res, call.tmp, call.data, self._ctrl, self._state)
         if st != engine.OK:
-            self._wait_or_raise(st, call, inp, res, timeout)
+            self._wait_or_raise(st, call, inp, res, limit)
         if self._trace:
             self._log.log(TRACE, "%s #%d took %.1f us", call.label, self._seq(), (time.perf_counter() - t0) * 1e6)
         if call.f16 and out is not None:
             np.copyto(out.reshape(-1), res)
 
-    def _wait_or_raise(self, st: int, call: _Call, inp: np.ndarray, res: np.ndarray, timeout: float | None) -> None:
-        limit = self._timeout if timeout is None else float(timeout)
+    def _wait_or_raise(self, st: int, call: _Call, inp: np.ndarray, res: np.ndarray, limit: float) -> None:
+        """Carry a call that did not finish in one engine run to its end, or raise.
+
+        Whatever escapes from here once the call has started (a timeout, a peer's death, a
+        KeyboardInterrupt) breaks the communicator and raises the abort word: a call is never
+        left half done on one rank while the others go on.
+        """
+        if st == engine.BUSY:
+            raise ConcurrentCallError(self._concurrent_message(call.label))
         started = time.monotonic() - _SLICE_NS / 1e9
         try:
             while st != engine.OK:
                 if st == engine.WAITING:
+                    if self._arena.word(L.AB_CODE) != 0:
+                        self._fail_aborted(call)  # the cause is whoever aborted, not who left since
                     lost = self._lost_peer()
                     if lost is not None:
                         self._fail_peer_lost(call, *lost)
@@ -1202,6 +1396,8 @@ class Communicator:
                         self._fail_timeout(call, limit)
                 elif st == engine.ABORTED:
                     self._fail_aborted(call)
+                elif st == engine.PEER_DEAD:
+                    self._fail_peer_lost(call, int(self._state[engine.S_ERR_PEER]), "dead")
                 elif st == engine.MISMATCH:
                     if (
                         int(self._state[engine.S_ERR_SIG]) == call.sig
@@ -1216,8 +1412,10 @@ class Communicator:
                         int(self._state[engine.S_ERR_SIG]),
                         int(self._state[engine.S_ERR_STEP]),
                     )
-                st = engine.execute(call.prog, inp, res, call.tmp, call.data, self._ctrl, self._state)
+                st = engine.execute(call.prog_resume, inp, res, call.tmp, call.data, self._ctrl, self._state)
         except ShmcollError:
+            if self._broken is None:  # a raise that did not go through a _fail_* (none should)
+                self._abort_for_error(f"{call.label} failed")
             raise
         except BaseException as exc:  # KeyboardInterrupt mid-call: the call's state is half done
             self._broken = f"rank {self._rank} was interrupted in {call.label} ({type(exc).__name__})"
@@ -1231,11 +1429,23 @@ class Communicator:
         return int(self._state[engine.S_WAIT_STEP])
 
     def _where(self, call: _Call) -> str:
+        if int(self._state[engine.S_ACTIVE]) == 0:  # stopped at the start: the call has no number yet
+            return f"{call.label} (call #{self._next_seq(call)}, before its first step)"
         return f"{call.label} (call #{self._seq()}, step {self._step()})"
+
+    def _next_seq(self, call: _Call) -> int:
+        """The number the call would have had, had it started."""
+        if call.kind != "p2p":
+            return int(self._state[engine.S_SEQ]) + 1
+        head = call.prog[0]
+        peer = int(head[ir.HD_P2P_PEER])
+        slot = engine.S_P2P_BASE + (peer if head[ir.HD_P2P_SEND] else self._world_size + peer)
+        return int(self._state[slot]) + 1
 
     def _lost_peer(self) -> tuple[int, str] | None:
         """A peer this rank cannot finish without: the awaited one if gone, or any that died
-        in the middle of a call."""
+        in the middle of a call. A peer that left *because of an abort* is never the answer: the
+        abort word names the cause, and the caller reads it first."""
         waited = int(self._state[engine.S_WAIT_PEER])
         for peer in range(self._world_size):
             if peer == self._rank:
@@ -1245,6 +1455,10 @@ class Communicator:
                 continue
             mid_call = self._arena.rank_field(peer, L.R_STATE) == L.STATE_IN_CALL
             if peer == waited or mid_call or status == "failed":
+                # A rank raises the abort word before it marks itself failed or leaves, so having
+                # seen that mark, this load sees the abort if there was one.
+                if self._arena.word(L.AB_CODE) != 0:
+                    return None
                 return peer, status
         return None
 
@@ -1280,14 +1494,41 @@ class Communicator:
         seq = self._seq()
         return "; ".join(self._activity(r, seq) for r in range(self._world_size) if r != self._rank)
 
+    def _holdup(self, waited: int) -> tuple[int, str]:
+        """The rank a timed-out call is really waiting for, and why, as far as the arena shows: a
+        stopped process first (``SIGSTOP``, a debugger), else the end of the chain of ranks each
+        waiting for the next, starting at the one this rank waits for."""
+        for peer in range(self._world_size):
+            if peer == self._rank:
+                continue
+            pid = self._arena.rank_field(peer, L.R_PID)
+            stat = proc_stat(pid) if pid > 0 else None
+            if stat is not None and stat[0] in ("T", "t"):
+                return peer, f"its process (pid {pid}) is stopped (SIGSTOP, or a debugger)"
+        peer, seen = waited, {self._rank}
+        while 0 <= peer < self._world_size and peer not in seen:
+            seen.add(peer)
+            if self._arena.rank_field(peer, L.R_PID) == 0:
+                return peer, "it never connected"
+            if self._arena.rank_field(peer, L.R_STATE) != L.STATE_IN_CALL:
+                return peer, "it has not arrived"
+            nxt = self._arena.rank_field(peer, L.R_WAIT_PEER)
+            if nxt < 0 or nxt in seen:
+                return peer, "it is in a call and not waiting: busy, or stuck"
+            peer = nxt
+        return waited, ""
+
     def _fail_timeout(self, call: _Call, limit: float) -> None:
         waited = int(self._state[engine.S_WAIT_PEER])
+        culprit, why = self._holdup(waited)
+        chain = "" if culprit == waited else f" (which waits, in turn, for rank {culprit})"
+        cause = f": rank {culprit} {why}" if why else ""
         peers = self._activities()
         msg = (
-            f"rank {self._rank}: {self._where(call)} timed out after {limit:g}s waiting for rank {waited}. "
-            f"Peers: {peers}"
+            f"rank {self._rank}: {self._where(call)} timed out after {limit:g}s waiting for rank {waited}"
+            f"{chain}{cause}. Peers: {peers}"
         )
-        engine.raise_abort(self._ctrl, self._state, L.ABORT_TIMEOUT, waited, self._seq(), call.sig, self._step(), 0, 0)
+        engine.raise_abort(self._ctrl, self._state, L.ABORT_TIMEOUT, culprit, self._seq(), call.sig, self._step(), 0, 0)
         self._broken = msg
         raise CollectiveTimeout(msg)
 

@@ -6,7 +6,7 @@ Every knob lives in :class:`Config`, a frozen dataclass read once per process by
 ==========================  ===========================================================  =========
 variable                    meaning                                                      default
 ==========================  ===========================================================  =========
-SHMCOLL_TIMEOUT             seconds a collective may wait for its peers                  60
+SHMCOLL_TIMEOUT             seconds a collective may wait for its peers (inf: no limit)  60
 SHMCOLL_SLOT_BYTES          payload bytes of one ring slot (K/M suffixes)                64K
 SHMCOLL_NSLOTS              slots per ring                                               4
 SHMCOLL_SPIN                microseconds of busy-waiting before yielding                auto
@@ -18,12 +18,15 @@ SHMCOLL_CACHE_DIR           where compiled kernels are cached                   
 SHMCOLL_RANK                set by ``shmcoll run``: this process's rank
 SHMCOLL_WORLD_SIZE          set by ``shmcoll run``: the number of ranks
 SHMCOLL_HANDLE              set by ``shmcoll run``: the group's handle
+SHMCOLL_TOKEN_LOG           a file every new job token is appended to (test harnesses
+                            use it to tell their own segments from other jobs')
 ==========================  ===========================================================  =========
 """
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 from collections.abc import Mapping
 
@@ -55,6 +58,25 @@ def format_size(nbytes: int) -> str:
     return str(nbytes)
 
 
+def timeout_s(value: object, what: str = "timeout") -> float:
+    """``value`` as a timeout in seconds: a number > 0, where ``inf`` means no limit.
+
+    Every timeout shmcoll accepts (per call, per communicator, ``Group``, ``spawn``,
+    ``SHMCOLL_TIMEOUT``) goes through here before it is used, so a bad one fails where it is given,
+    before any communication.
+
+    Raises:
+        TypeError: not a real number (a string, a list, a bool).
+        ValueError: zero, negative or NaN.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a number of seconds (or None), got {value!r}")
+    seconds = float(value)
+    if not seconds > 0:  # NaN fails this too: a NaN deadline could never expire
+        raise ValueError(f"{what} must be > 0 seconds (inf: no limit), got {value!r}")
+    return seconds
+
+
 def _default_cache_dir(env: Mapping[str, str]) -> str:
     base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "shmcoll")
@@ -74,6 +96,7 @@ class Config:
     rank: int | None = None
     world_size: int | None = None
     handle: str = ""
+    token_log: str = ""
 
 
 def _int_or_none(value: str | None, name: str) -> int | None:
@@ -90,8 +113,12 @@ def load(env: Mapping[str, str] | None = None) -> Config:
     e = os.environ if env is None else env
     cache_dir = e.get("SHMCOLL_CACHE_DIR") or _default_cache_dir(e)
     timeout = e.get("SHMCOLL_TIMEOUT", "").strip()
+    try:
+        timeout_value = timeout_s(float(timeout), "SHMCOLL_TIMEOUT") if timeout else Config.timeout_s
+    except ValueError:
+        raise ValueError(f"SHMCOLL_TIMEOUT must be a number of seconds > 0 (inf: no limit), got {timeout!r}") from None
     cfg = Config(
-        timeout_s=float(timeout) if timeout else Config.timeout_s,
+        timeout_s=timeout_value,
         slot_bytes=parse_size(e.get("SHMCOLL_SLOT_BYTES", "") or Config.slot_bytes),
         nslots=_int_or_none(e.get("SHMCOLL_NSLOTS"), "SHMCOLL_NSLOTS") or Config.nslots,
         spin=_int_or_none(e.get("SHMCOLL_SPIN"), "SHMCOLL_SPIN"),
@@ -103,9 +130,8 @@ def load(env: Mapping[str, str] | None = None) -> Config:
         rank=_int_or_none(e.get("SHMCOLL_RANK"), "SHMCOLL_RANK"),
         world_size=_int_or_none(e.get("SHMCOLL_WORLD_SIZE"), "SHMCOLL_WORLD_SIZE"),
         handle=e.get("SHMCOLL_HANDLE", ""),
+        token_log=e.get("SHMCOLL_TOKEN_LOG", ""),
     )
-    if cfg.timeout_s <= 0:
-        raise ValueError(f"SHMCOLL_TIMEOUT must be > 0, got {cfg.timeout_s}")
     return cfg
 
 

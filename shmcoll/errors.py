@@ -1,8 +1,10 @@
 """The exceptions shmcoll raises.
 
 Argument errors are plain ``ValueError``/``TypeError`` raised on the calling rank before any
-communication. Everything that goes wrong *between* ranks is a :class:`ShmcollError`; after one
-of those the communicator is broken and every later call raises
+communication; so are :class:`UnsupportedError` (a request no algorithm can serve) and
+:class:`ConcurrentCallError` (a call overlapping another thread's), after which the communicator
+stays usable. Everything that goes wrong *between* ranks is another :class:`ShmcollError`; after
+one of those the communicator is broken and every later call raises
 :class:`CommunicatorBrokenError`.
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 
 class ShmcollError(RuntimeError):
-    """Base class of every error that involves more than the calling rank."""
+    """Base class of every error shmcoll raises other than argument errors."""
 
 
 class CollectiveTimeout(ShmcollError, TimeoutError):
@@ -58,3 +60,22 @@ class SpawnError(ShmcollError):
         self.rank = rank
         self.exitcode = exitcode
         self.remote_traceback = remote_traceback
+
+
+class ConcurrentCallError(ShmcollError, RuntimeError):
+    """A call was made on a communicator while another thread (or a signal handler) was in a call
+    on it.
+
+    Raised on entry, before the call does anything: the call already in progress is unaffected
+    and the communicator stays usable. Calls on one communicator must not overlap; give each
+    thread its own communicator (:meth:`~shmcoll.Communicator.split`), or serialise the calls.
+    """
+
+
+class ForkedCommunicatorError(CommunicatorBrokenError):
+    """A communicator was used (or closed) in a forked child of the process that connected it.
+
+    A communicator belongs to the process that connected it; in the child it raises this and
+    never touches the shared state, so the parent carries on unharmed. Connect anew in the child
+    (``group.connect(rank)``), or create communicators after forking.
+    """

@@ -35,6 +35,7 @@ _JITTED_SOURCES = (
     "engine/cpu.py",
     "plan/ir.py",
     "shm/layout.py",
+    "shm/liveness.py",
 )
 
 

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,11 +51,13 @@ log = logging.getLogger("shmcoll")
 WARM_DTYPES = tuple(np.dtype(t) for t in (np.uint8, np.int32, np.int64, np.float32, np.float64))
 
 _GRACE_S = 5.0  # how long survivors of a failure get to report before they are killed
+# The token comes through the pipe, never the command line: `ps` shows argv to every user.
 _JANITOR = (
     "import os, sys\n"
+    "token = sys.stdin.buffer.readline().strip().decode()\n"
     "while sys.stdin.buffer.read(65536):\n"
     "    pass\n"
-    "tag = 'shmcoll-' + sys.argv[1] + '-'\n"
+    "tag = 'shmcoll-' + token + '-'\n"
     "for name in os.listdir('/dev/shm'):\n"
     "    if name.startswith(tag):\n"
     "        try:\n"
@@ -74,13 +77,25 @@ class _Janitor:
 
     def __init__(self, token: str) -> None:
         self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-            [sys.executable, "-S", "-c", _JANITOR, token],
+            [sys.executable, "-S", "-c", _JANITOR],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
             close_fds=True,
         )
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(token.encode() + b"\n")
+        self._proc.stdin.flush()
+        _JANITORS.add(self)
+
+    def forget_in_child(self) -> None:
+        # A forked child must not hold the janitor's pipe open: the janitor cleans up when the
+        # owner ends, and would wait for the child too.
+        if self._proc is not None and self._proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._proc.stdin.fileno())
+        self._proc = None
 
     def close(self) -> None:
         if self._proc is not None:
@@ -91,6 +106,17 @@ class _Janitor:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
             self._proc = None
+
+
+_JANITORS: weakref.WeakSet[_Janitor] = weakref.WeakSet()
+
+
+def _forget_janitors() -> None:
+    for janitor in list(_JANITORS):
+        janitor.forget_in_child()
+
+
+os.register_at_fork(after_in_child=_forget_janitors)
 
 
 def _set_parent_death_signal() -> None:
@@ -124,7 +150,8 @@ class Group:
         world_size: number of ranks.
         slot_bytes: payload bytes per ring slot (default ``SHMCOLL_SLOT_BYTES``, 64 KiB).
         nslots: slots per ring (default ``SHMCOLL_NSLOTS``, 4).
-        timeout: default seconds a collective waits for its peers (``SHMCOLL_TIMEOUT``).
+        timeout: default seconds a collective waits for its peers (``SHMCOLL_TIMEOUT``; ``inf``:
+            no limit).
     """
 
     def __init__(
@@ -132,6 +159,8 @@ class Group:
     ) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        if timeout is not None:
+            timeout = config.timeout_s(timeout)
         cfg = config.get()
         self.token = new_token()
         self.timeout = timeout
@@ -169,6 +198,8 @@ class Group:
         """Attach this process as ``rank`` and return its communicator."""
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {rank!r}")
+        if timeout is not None:
+            timeout = config.timeout_s(timeout)
         arena = Arena.attach(self.handle)
         try:
             return Communicator(arena, rank, timeout=timeout if timeout is not None else self.timeout)
@@ -318,6 +349,10 @@ def spawn(
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
+    if timeout is not None:
+        timeout = config.timeout_s(timeout, "spawn timeout")
+    if comm_timeout is not None:
+        comm_timeout = config.timeout_s(comm_timeout, "comm_timeout")
     warm_kernels()
     ctx = mp.get_context(start_method)
     with Group(nprocs, slot_bytes=slot_bytes, nslots=nslots, timeout=comm_timeout) as group:
@@ -541,6 +576,10 @@ def run_script(
     line on ``out`` (stderr) naming it. Ctrl-C stops every rank and returns 130.
     """
     out = out or sys.stderr
+    if timeout is not None:
+        timeout = config.timeout_s(timeout, "--timeout")
+    if comm_timeout is not None:
+        comm_timeout = config.timeout_s(comm_timeout, "--comm-timeout")
     warm_kernels()
     with Group(nprocs, slot_bytes=slot_bytes, nslots=nslots, timeout=comm_timeout) as group:
         children: list[_Child] = []

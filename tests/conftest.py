@@ -10,9 +10,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from harness import Pools  # noqa: E402
-
-from shmcoll.shm.segment import issued_tokens, list_segments, stale_segments, token_of  # noqa: E402
+from harness import TOKEN_LOG, Pools, owned_segments  # noqa: E402
 
 ENGINE_DTYPES = [
     np.dtype(t)
@@ -41,19 +39,12 @@ def warm_kernels() -> None:
     warm(ENGINE_DTYPES)
 
 
-def _ours() -> set[str]:
-    """Segments of jobs started by this test process, plus any whose creator is dead (a leak,
-    from a job this test started in a subprocess). Live jobs of other processes are not ours."""
-    tokens = issued_tokens()
-    return {name for name in list_segments() if token_of(name) in tokens} | set(stale_segments())
-
-
 @pytest.fixture(autouse=True)
 def no_shm_leaks():  # type: ignore[no-untyped-def]
     """Fail any test that leaves a shmcoll-* entry in /dev/shm."""
-    before = _ours()
+    before = owned_segments()
     yield
-    left = sorted(_ours() - before)
+    left = sorted(owned_segments() - before)
     if left:
         for name in left:
             try:
@@ -68,3 +59,12 @@ def pools():  # type: ignore[no-untyped-def]
     p = Pools()
     yield p
     p.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def token_log():  # type: ignore[no-untyped-def]
+    yield TOKEN_LOG
+    try:
+        os.unlink(TOKEN_LOG)
+    except FileNotFoundError:
+        pass

@@ -19,7 +19,35 @@ import traceback
 from typing import Any
 
 import shmcoll
+from shmcoll import config
 from shmcoll.launch import _rank_process_setup
+from shmcoll.shm.segment import issued_tokens, list_segments, token_of
+
+# Every job token created by the test process or any process it starts (shmcoll run, spawned
+# scripts) lands in this file, so the leak check owns exactly the segments of its own jobs.
+TOKEN_LOG = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"shmcoll-test-tokens-{os.getpid()}")
+if "SHMCOLL_TOKEN_LOG" not in os.environ:
+    os.environ["SHMCOLL_TOKEN_LOG"] = TOKEN_LOG
+    config.reload()
+TOKEN_LOG = os.environ["SHMCOLL_TOKEN_LOG"]
+
+
+def owned_tokens() -> set[str]:
+    """Job tokens created by this test process or by the processes it started."""
+    tokens = set(issued_tokens())
+    try:
+        with open(TOKEN_LOG) as f:
+            tokens.update(line.strip() for line in f if line.strip())
+    except FileNotFoundError:
+        pass
+    return tokens
+
+
+def owned_segments() -> set[str]:
+    """Segments of jobs started by this test run; other jobs on the machine, live or dead, are
+    not the tests' to count."""
+    tokens = owned_tokens()
+    return {name for name in list_segments() if token_of(name) in tokens}
 
 
 class RankFailure(AssertionError):

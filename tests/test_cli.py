@@ -109,8 +109,10 @@ def test_info() -> None:
 
 
 def test_cleanup_removes_only_stale_segments() -> None:
-    dead = "shmcoll-00000000deadbeef-999999999-arena"
-    live = f"shmcoll-00000000cafef00d-{os.getpid()}-arena"
+    from shmcoll.shm.segment import pid_namespace
+
+    dead = f"shmcoll-00000000deadbeef-{pid_namespace()}-999999999-arena.00000001"
+    live = f"shmcoll-00000000cafef00d-{pid_namespace()}-{os.getpid()}-arena.00000002"
     for name in (dead, live):
         with open(f"/dev/shm/{name}", "wb") as f:
             f.write(b"x")

@@ -26,6 +26,22 @@ Waiting, in three stages, because ranks often outnumber cores here:
 
 Every message carries the call's tag (seq, sig) in its slot header, checked on receipt: a peer
 in a different call is reported as ``MISMATCH`` with its tag, instead of mixing data.
+
+**Starting a call** (the program's header says how it is entered, ``HD_ENTRY``):
+
+- ``ENTRY_START`` claims the state with a compare-and-swap of ``S_ACTIVE`` (0 -> 1): a second
+  thread (or a signal handler) entering a call on the same communicator meanwhile gets ``BUSY``,
+  before it touches anything, instead of running its steps into the first call's. It also gets
+  ``BUSY`` while another thread holds the communicator for a *nested* call
+  (``S_NESTED``: object collectives, ``alloc`` and ``split`` are several calls that must not be
+  interleaved with anyone else's);
+- ``ENTRY_NESTED`` is a start made by the thread that holds ``S_NESTED``;
+- ``ENTRY_RESUME`` continues the claimed call. Only the thread that started a call holds the
+  resume copy of its program, so no other thread can continue it.
+
+A started call then checks the abort word and every peer's liveness word (``shm/liveness``):
+a peer the kernel has marked dead fails the call at once (``PEER_DEAD``), even when this rank
+would never wait for it.
 """
 
 from __future__ import annotations
@@ -45,7 +61,10 @@ from shmcoll.plan.ir import (
     C_OP,
     C_PEER_IN,
     C_PEER_OUT,
+    ENTRY_NESTED,
+    ENTRY_RESUME,
     FINAL,
+    HD_ENTRY,
     HD_KIND,
     HD_NBODY,
     HD_NTAIL,
@@ -95,10 +114,13 @@ from shmcoll.shm.layout import (
     R_DONE_SEQ,
     R_DONE_SIG,
     R_STATE,
+    R_WAIT_PEER,
     SLOT_HEADER_BYTES,
     STATE_IDLE,
     STATE_IN_CALL,
+    WORDS_PER_LINE,
 )
+from shmcoll.shm.liveness import OWNER_DIED
 from shmcoll.types import KIND_CODE
 
 # Status codes returned by execute.
@@ -106,6 +128,8 @@ OK = 0
 WAITING = 1
 ABORTED = 2
 MISMATCH = 3
+BUSY = 4  # another thread is in a call on this communicator: nothing was done
+PEER_DEAD = 5  # a peer's liveness word says it died (S_ERR_PEER): nothing was done
 
 # Engine state: one int64 array per communicator, written by Python at set-up and by the engine.
 (
@@ -140,8 +164,10 @@ MISMATCH = 3
     S_OUT_STRIDE,
     S_PLACE,
     S_ERR_PLACE,
-) = range(31)
-S_P2P_BASE = 32  # then world_size send counters, then world_size receive counters
+    S_LIVE_BASE,
+    S_NESTED,
+) = range(33)
+S_P2P_BASE = 40  # then world_size send counters, then world_size receive counters
 
 
 def state_size(world_size: int) -> int:
@@ -191,6 +217,7 @@ def _wait(ctrl, word, target, waiters, state, peer, row):  # type: ignore[no-unt
         if monotonic_ns() >= slice_end:
             state[S_WAIT_PEER] = peer
             state[S_WAIT_STEP] = row
+            ctrl[state[S_RANK_WORD] + R_WAIT_PEER] = peer
             return WAITING
 
 
@@ -326,12 +353,40 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
 
 
 @jit
+def _peers_alive(prog, ctrl, state):  # type: ignore[no-untyped-def]
+    """-1 if no peer of this call is marked dead by the kernel, else the first dead one."""
+    live = state[S_LIVE_BASE]
+    if prog[0, HD_KIND] == _P2P:
+        peer = prog[0, HD_P2P_PEER]
+        if (load_acquire(ctrl, live + peer * WORDS_PER_LINE) & OWNER_DIED) != 0:
+            return peer
+        return -1
+    for peer in range(state[S_WORLD]):
+        if (load_acquire(ctrl, live + peer * WORDS_PER_LINE) & OWNER_DIED) != 0:
+            return peer
+    return -1
+
+
+@jit
 def execute(prog, inp, out, tmp, data, ctrl, state):  # type: ignore[no-untyped-def]
-    """Run (or resume) this rank's program for one call; returns a status code."""
+    """Start (or resume, per the program's ``HD_ENTRY``) this rank's program for one call; returns
+    a status code."""
     rank_word = state[S_RANK_WORD]
-    if state[S_ACTIVE] == 0:
+    entry = prog[0, HD_ENTRY]
+    if entry != ENTRY_RESUME:
+        if compare_exchange(state, S_ACTIVE, 0, 1) != 0:
+            return BUSY
+        if entry != ENTRY_NESTED and load_seqcst(state, S_NESTED) != 0:
+            store_release(state, S_ACTIVE, 0)
+            return BUSY
         if load_acquire(ctrl, AB_CODE) != 0:
+            store_release(state, S_ACTIVE, 0)
             return ABORTED
+        dead = _peers_alive(prog, ctrl, state)
+        if dead >= 0:
+            state[S_ERR_PEER] = dead
+            store_release(state, S_ACTIVE, 0)
+            return PEER_DEAD
         if prog[0, HD_KIND] == _P2P:
             peer = prog[0, HD_P2P_PEER]
             idx = S_P2P_BASE + (peer if prog[0, HD_P2P_SEND] != 0 else state[S_WORLD] + peer)
@@ -340,7 +395,6 @@ def execute(prog, inp, out, tmp, data, ctrl, state):  # type: ignore[no-untyped-
         else:
             state[S_SEQ] += 1
             state[S_TAG_SEQ] = state[S_SEQ]
-        state[S_ACTIVE] = 1
         state[S_PC] = 0
         state[S_PIECE] = 0
         state[S_PHASE] = 0
@@ -378,10 +432,10 @@ def execute(prog, inp, out, tmp, data, ctrl, state):  # type: ignore[no-untyped-
         else:
             break
 
-    state[S_ACTIVE] = 0
     ctrl[rank_word + R_DONE_SIG] = prog[0, HD_SIG]
     ctrl[rank_word + R_DONE_SEQ] = state[S_TAG_SEQ]
     store_release(ctrl, rank_word + R_STATE, STATE_IDLE)
+    store_release(state, S_ACTIVE, 0)
     return OK
 
 
@@ -424,6 +478,7 @@ def new_state(layout, rank: int, *, spin_ns: int, yields: int, sleep_ns: int, sl
     state[S_CHAN_BASE] = layout.channels_base_word
     state[S_RANK_WORD] = layout.rank_word(max(rank, 0), 0)
     state[S_NCHANNELS] = layout.nchannels
+    state[S_LIVE_BASE] = layout.live_base_word
     return state
 
 

@@ -94,7 +94,12 @@ NCOLS = 12
     HD_P2P_PEER,
     HD_P2P_SEND,
     HD_REGISTERED,
-) = range(10)
+    HD_ENTRY,
+) = range(11)
+# How the engine enters a program (HD_ENTRY): the same table is kept once per way of entering it.
+ENTRY_START = 0  # a new call: claims the communicator's engine state
+ENTRY_RESUME = 1  # the claimed call, continued after a wait returned to Python
+ENTRY_NESTED = 2  # a new call inside a call made of several (object collectives, alloc, split)
 
 NO_PEER = -1
 NO_BUF = -1
@@ -339,3 +344,10 @@ def encode(
     header[0, HD_REGISTERED] = int(registered)
     table = np.concatenate([header, body, tail])
     return np.ascontiguousarray(table)
+
+
+def with_entry(table: np.ndarray, entry: int) -> np.ndarray:
+    """A copy of an encoded program entered as ``entry`` (``ENTRY_*``)."""
+    copy = table.copy()
+    copy[0, HD_ENTRY] = entry
+    return copy

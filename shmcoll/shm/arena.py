@@ -5,10 +5,12 @@ geometry: another job's or another version's segment is refused), claims its ran
 compare-and-swap on the pid word, and counts itself in ATTACHED. The rank that brings ATTACHED to
 ``world_size`` unlinks the name: from then on nothing can leak, whatever happens to the processes.
 
-Liveness: a rank's record holds its pid and its process start time (clock ticks since boot, field
-22 of ``/proc/<pid>/stat``: exact, and immune to wall-clock changes). A peer is alive while a
-process with that pid *and that start time* exists and is not a zombie, so a recycled pid is
-never mistaken for the peer.
+Liveness, two ways. Each attached rank holds the robust mutex of its liveness line
+(:mod:`shmcoll.shm.liveness`), which the kernel marks when the rank dies: cheap enough for the
+engine to read at the start of every call. And a rank's record holds its pid and its process
+start time (clock ticks since boot, field 22 of ``/proc/<pid>/stat``: exact, and immune to
+wall-clock changes): a peer is alive while a process with that pid *and that start time* exists
+and is not a zombie, so a recycled pid is never mistaken for the peer.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 
 from shmcoll.errors import ShmcollError
 from shmcoll.shm import layout as L
+from shmcoll.shm import liveness
 from shmcoll.shm.atomics import atomic_add, atomic_cas, read_word, write_word
 from shmcoll.shm.segment import Segment, segment_name
 
@@ -76,6 +79,7 @@ class Arena:
         self.layout = handle.layout
         self.ctrl = segment.array(np.int64)
         self._views: dict[np.dtype, np.ndarray] = {np.dtype(np.int64): self.ctrl}
+        self._held: liveness.Held | None = None
 
     # --- lifetime -----------------------------------------------------------------------------
     @classmethod
@@ -135,6 +139,9 @@ class Arena:
         write_word(self.ctrl, self.layout.rank_word(rank, L.R_STATE), L.STATE_IDLE)
         stat = proc_stat(pid)
         write_word(self.ctrl, self.layout.rank_word(rank, L.R_START), stat[1] + 1 if stat else 1)
+        write_word(self.ctrl, self.layout.rank_word(rank, L.R_WAIT_PEER), -1)
+        base = self.ctrl.__array_interface__["data"][0]
+        self._held = liveness.hold(base + 8 * self.layout.live_word(rank), self.ctrl)
         attached = int(atomic_add(self.ctrl, L.A_ATTACHED, 1)) + 1
         if attached >= self.layout.world_size:
             self.segment.unlink()
@@ -148,9 +155,16 @@ class Arena:
     def deregister(self, rank: int, failed: bool = False) -> None:
         state = L.STATE_FAILED if failed else L.STATE_EXITED
         write_word(self.ctrl, self.layout.rank_word(rank, L.R_STATE), state)
+        self._release_liveness()
         atomic_add(self.ctrl, L.A_DETACHED, 1)
 
+    def _release_liveness(self) -> None:
+        if self._held is not None:
+            self._held.release()
+            self._held = None
+
     def close(self) -> None:
+        self._release_liveness()  # before the mapping goes: glibc's robust list runs through it
         self._views.clear()
         self.ctrl = np.empty(0, np.int64)
         self.segment.close()
@@ -173,6 +187,10 @@ class Arena:
     def attached(self) -> int:
         return self.word(L.A_ATTACHED)
 
+    def liveness(self, rank: int) -> str:
+        """What ``rank``'s liveness mutex says: ``"free"``, ``"held"`` or ``"died"``."""
+        return liveness.state(self.word(self.layout.live_word(rank)) & 0xFFFFFFFF)
+
     def peer_status(self, rank: int) -> str:
         """``"absent"`` (not attached yet), ``"alive"``, ``"exited"``, ``"failed"`` or ``"dead"``."""
         pid = self.rank_field(rank, L.R_PID)
@@ -184,6 +202,8 @@ class Arena:
             return "exited"
         if state == L.STATE_FAILED:
             return "failed"
+        if self.liveness(rank) == "died":
+            return "dead"  # the kernel says so, in whatever PID namespace the rank ran
         stat = proc_stat(pid)
         if stat is None or stat[0] in ("Z", "X") or stat[1] + 1 != start:
             return "dead"  # gone, a zombie, or the pid now belongs to another process

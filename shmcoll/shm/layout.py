@@ -9,8 +9,12 @@ so a rank polling its own word never steals a line another rank is writing::
               | attach     ATTACHED (fetch_add at connect)  DETACHED  GROUP_SIZE     |  line 1
               | abort      CODE ORIGIN PEER SEQ SIG STEP DETAIL OWN_SEQ             |  line 2
     192       +--------------------------------------------------------------------+
-              | rank r     PID START STATE CUR_SEQ CUR_SIG CUR_STEP DONE_SEQ DONE_SIG|  1 line
-              |            (written only by rank r; read by the others on errors)   |  per rank
+              | rank r     PID START STATE CUR_SEQ CUR_SIG CUR_STEP DONE_SEQ DONE_SIG|  2 lines
+              |            WAIT_PEER (written only by rank r; read by others on      |  per rank
+              |            errors)                                                 |
+              +--------------------------------------------------------------------+
+              | live r     robust pthread mutex, held by rank r while connected     |  1 line
+              |            (the kernel marks it OWNER_DIED if r dies: shm/liveness)  |  per rank
               +--------------------------------------------------------------------+
               | channel c  producer line: HEAD          TAIL_WAITERS                |  2 lines
               |            consumer line: TAIL          HEAD_WAITERS                |  per channel
@@ -32,7 +36,10 @@ registered buffer sits (0 otherwise), so ranks that passed buffers from differen
 caught before anyone reads a peer's buffer. A payload of up to 32 bytes shares the cache line of
 its tag, so a small message costs the consumer one line.
 
-Footprint: ``192 + 64 n + 128 n (n - 1) + n (n - 1) NSLOTS round64(32 + SLOT_BYTES)`` bytes for
+The liveness lines are never written while their ranks live, so every rank can read all of
+them at the start of each call from its own cache.
+
+Footprint: ``192 + 192 n + 128 n (n - 1) + n (n - 1) NSLOTS round64(32 + SLOT_BYTES)`` bytes for
 ``n`` ranks; with the defaults (4 slots of 64 KiB) that is about 256 KiB per channel: 0.5 MiB
 for 2 ranks, 3 MiB for 4, 14 MiB for 8, 63 MiB for 16.
 """
@@ -44,7 +51,7 @@ import dataclasses
 LINE = 64
 WORDS_PER_LINE = LINE // 8
 MAGIC = 0x6C6C6F636D687300  # "\0shmcoll" little endian: a header that is not ours fails fast
-VERSION = 2  # 2: line 1 word 10 holds the agreed hierarchical group size (A_GROUP_SIZE)
+VERSION = 3  # 2: A_GROUP_SIZE; 3: two-line rank records (WAIT_PEER) and the liveness lines
 SLOT_HEADER_BYTES = 32
 
 # Header words (int64 index).
@@ -62,12 +69,13 @@ AB_STEP = 21
 AB_DETAIL = 22  # mismatch: the origin's own signature for the compared call
 AB_OWN_SEQ = 23  # mismatch: the origin's own number for the compared call
 RANKS_BASE_WORD = 24
-# Rank record fields (offsets within the rank's line).
+RANK_WORDS = 2 * WORDS_PER_LINE
+# Rank record fields (offsets within the rank's record).
 R_PID, R_START, R_STATE, R_CUR_SEQ, R_CUR_SIG, R_CUR_STEP, R_DONE_SEQ, R_DONE_SIG = range(8)
+R_WAIT_PEER = WORDS_PER_LINE  # the peer a waiting call waits for (-1: none), on the record's 2nd line
 # Rank states.
 STATE_IDLE, STATE_IN_CALL, STATE_FAILED, STATE_EXITED = range(4)
-# Abort codes: why a communicator is broken.
-ABORT_NONE = 0
+# Abort codes: why a communicator is broken (0: it is not).
 ABORT_USER = 1
 ABORT_TIMEOUT = 2
 ABORT_PEER_LOST = 3
@@ -106,8 +114,12 @@ class Layout:
         return self.world_size * (self.world_size - 1)
 
     @property
+    def live_base_word(self) -> int:
+        return RANKS_BASE_WORD + self.world_size * RANK_WORDS
+
+    @property
     def channels_base_word(self) -> int:
-        return RANKS_BASE_WORD + self.world_size * WORDS_PER_LINE
+        return self.live_base_word + self.world_size * WORDS_PER_LINE
 
     @property
     def slot_stride(self) -> int:
@@ -126,7 +138,11 @@ class Layout:
         return self.slots_base + self.nchannels * self.ring_bytes
 
     def rank_word(self, rank: int, field: int) -> int:
-        return RANKS_BASE_WORD + rank * WORDS_PER_LINE + field
+        return RANKS_BASE_WORD + rank * RANK_WORDS + field
+
+    def live_word(self, rank: int) -> int:
+        """The first word of ``rank``'s liveness line (its mutex; the lock word is the low half)."""
+        return self.live_base_word + rank * WORDS_PER_LINE
 
     def channel(self, src: int, dst: int) -> int:
         """Index of the directed channel ``src -> dst``."""

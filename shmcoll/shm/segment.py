@@ -4,9 +4,13 @@ Segments are files in ``/dev/shm`` opened with ``os.open`` and mapped with ``mma
 ``multiprocessing.shared_memory`` is not used because on 3.11 its resource tracker unlinks
 segments that other processes still own and warns about leaks that are not there.
 
-Names are ``shmcoll-<token>-<pid>-<what>``: the job's random token (two jobs never meet), the
-creating process's pid (so ``shmcoll cleanup`` can tell a live job from a dead one) and what the
-segment is. Files are created with mode 0600 (same user only) and ``O_EXCL``. Space is reserved
+Names are ``shmcoll-<token>-<pidns>-<pid>-<what>.<random>``: the job's random token (two jobs
+never meet), the creating process's PID namespace and pid (so ``shmcoll cleanup`` can tell a
+live job from a dead one, and knows when it *cannot*: a pid from another namespace proves
+nothing), what the segment is, and fresh random digits. Every user can list ``/dev/shm``, so a
+job's token is no secret; the random part makes each name unpredictable all the same, so no one
+can create a name before the job does. Files are created with mode 0600 (same user only) and
+``O_EXCL``, and a segment owned by another user is never attached. Space is reserved
 with ``posix_fallocate`` up front, so a too-small ``/dev/shm`` is a clear error at start-up
 instead of a SIGBUS in the middle of a collective. A segment's name is unlinked as soon as every
 rank has mapped it; only the mappings keep the memory alive after that, and the kernel frees it
@@ -15,31 +19,49 @@ when the last process exits, however it exits.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import mmap
 import os
 import re
 import secrets
 import shutil
-import time
 
 import numpy as np
-import psutil
 
+from shmcoll import config
 from shmcoll.errors import ShmcollError
 
 SHM_DIR = "/dev/shm"
 PREFIX = "shmcoll-"
-_NAME_RE = re.compile(r"^shmcoll-(?P<token>[0-9a-f]{16})-(?P<pid>\d+)-(?P<what>[A-Za-z0-9_.]+)$")
+_NAME_RE = re.compile(r"^shmcoll-(?P<token>[0-9a-f]{16})-(?P<ns>\d+)-(?P<pid>\d+)-(?P<what>[A-Za-z0-9_]+)\.[0-9a-f]+$")
+
+
+def pid_namespace() -> int:
+    """This process's PID namespace (the inode of ``/proc/self/ns/pid``; 0 if unknown)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+_PID_NS = pid_namespace()  # a process never changes its own PID namespace
 
 
 _ISSUED: set[str] = set()
 
 
 def new_token() -> str:
-    """A fresh random job token (16 hex digits)."""
+    """A fresh random job token (16 hex digits), also appended to ``SHMCOLL_TOKEN_LOG`` if set."""
     token = secrets.token_hex(8)
     _ISSUED.add(token)
+    log_path = config.get().token_log
+    if log_path:
+        try:
+            with open(log_path, "a") as f:
+                f.write(token + "\n")
+        except OSError:
+            pass
     return token
 
 
@@ -49,12 +71,29 @@ def issued_tokens() -> frozenset[str]:
 
 
 def token_of(name: str) -> str | None:
+    parts = parse_name(name)
+    return parts.token if parts else None
+
+
+def segment_name(token: str, what: str) -> str:
+    """A fresh, unpredictable name for a segment of job ``token`` created by this process."""
+    return f"{PREFIX}{token}-{_PID_NS}-{os.getpid()}-{what}.{secrets.token_hex(4)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class NameParts:
+    token: str
+    pid_namespace: int
+    pid: int
+    what: str
+
+
+def parse_name(name: str) -> NameParts | None:
+    """The parts of a segment name, or None if it is not one of ours."""
     m = _NAME_RE.match(name)
-    return m.group("token") if m else None
-
-
-def segment_name(token: str, what: str, pid: int | None = None) -> str:
-    return f"{PREFIX}{token}-{os.getpid() if pid is None else pid}-{what}"
+    if m is None:
+        return None
+    return NameParts(m.group("token"), int(m.group("ns")), int(m.group("pid")), m.group("what"))
 
 
 class Segment:
@@ -81,7 +120,15 @@ class Segment:
         if not os.path.isdir(SHM_DIR):
             raise ShmcollError(f"{SHM_DIR} does not exist: shmcoll needs POSIX shared memory (Linux)")
         path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            raise ShmcollError(
+                f"cannot create {path} for {what_for or 'shmcoll'}: the name already exists "
+                f"(another process created it first)"
+            ) from None
+        except OSError as exc:
+            raise ShmcollError(f"cannot create {path} for {what_for or 'shmcoll'}: {exc.strerror}") from None
         try:
             try:
                 os.posix_fallocate(fd, 0, max(size, 1))
@@ -99,12 +146,12 @@ class Segment:
                 os.ftruncate(fd, size)
         except BaseException:
             os.close(fd)
-            _unlink_path(path)
+            unlink_path(path)
             raise
         try:
             return cls(name, fd, size, owner=True)
         except BaseException:
-            _unlink_path(path)
+            unlink_path(path)
             raise
 
     @classmethod
@@ -118,10 +165,17 @@ class Segment:
                 f"shared-memory segment {name} is gone: its job ended, or every rank already "
                 f"attached and it was unlinked"
             ) from None
+        except OSError as exc:
+            raise ShmcollError(f"cannot open shared-memory segment {name}: {exc.strerror}") from None
         try:
-            actual = os.fstat(fd).st_size
-            if actual != size:
-                raise ShmcollError(f"segment {name} has {actual} bytes, expected {size}")
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid():
+                raise ShmcollError(
+                    f"segment {name} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}): "
+                    f"refusing to attach to it"
+                )
+            if st.st_size != size:
+                raise ShmcollError(f"segment {name} has {st.st_size} bytes, expected {size}")
         except BaseException:
             os.close(fd)
             raise
@@ -136,7 +190,7 @@ class Segment:
         """Remove the name; mappings stay valid. Idempotent."""
         if self._linked:
             self._linked = False
-            _unlink_path(self.path)
+            unlink_path(self.path)
 
     def close(self) -> None:
         """Unmap. Arrays still viewing the segment keep the mapping (and its descriptor) alive
@@ -149,7 +203,8 @@ class Segment:
             self._mm = None
 
 
-def _unlink_path(path: str) -> None:
+def unlink_path(path: str) -> None:
+    """Remove a name from ``/dev/shm`` if it is still there."""
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -160,9 +215,8 @@ def unlink_job(token: str) -> list[str]:
     """Remove every segment name of the job ``token``; returns the names removed."""
     removed = []
     for entry in _entries():
-        m = _NAME_RE.match(entry)
-        if m and m.group("token") == token:
-            _unlink_path(os.path.join(SHM_DIR, entry))
+        if token_of(entry) == token:
+            unlink_path(os.path.join(SHM_DIR, entry))
             removed.append(entry)
     return removed
 
@@ -177,46 +231,3 @@ def _entries() -> list[str]:
 def list_segments() -> list[str]:
     """Every ``shmcoll-*`` name in ``/dev/shm``."""
     return _entries()
-
-
-def _creator_alive(pid: int, mtime: float) -> bool:
-    """Whether the process that created a segment at ``mtime`` may still be running.
-
-    A pid that now belongs to a process started after the segment was written is a reused pid:
-    the creator is gone.
-    """
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return False
-        return proc.create_time() <= mtime + 1.0
-    except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
-        return False
-
-
-def stale_segments(min_age_s: float = 0.0) -> list[str]:
-    """Names whose creating process is gone (and older than ``min_age_s``)."""
-    stale = []
-    now = time.time()
-    for entry in _entries():
-        path = os.path.join(SHM_DIR, entry)
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            continue
-        if st.st_uid != os.getuid() or now - st.st_mtime < min_age_s:
-            continue
-        m = _NAME_RE.match(entry)
-        if m is None:
-            continue
-        if not _creator_alive(int(m.group("pid")), st.st_mtime):
-            stale.append(entry)
-    return stale
-
-
-def cleanup_stale(min_age_s: float = 0.0) -> list[str]:
-    """Unlink the stale segments (never a live job's); returns the names removed."""
-    removed = stale_segments(min_age_s)
-    for name in removed:
-        _unlink_path(os.path.join(SHM_DIR, name))
-    return removed

@@ -92,6 +92,6 @@ def test_channels_are_a_bijection() -> None:
 
 def test_footprint_formula() -> None:
     n, nslots, slot = 8, 4, 64 << 10
-    expected = 192 + 64 * n + 128 * n * (n - 1) + n * (n - 1) * nslots * L.round_up(32 + slot, 64)
+    expected = 192 + 192 * n + 128 * n * (n - 1) + n * (n - 1) * nslots * L.round_up(32 + slot, 64)
     assert L.footprint_bytes(n, nslots, slot) == expected
-    assert L.footprint_bytes(1, 4, slot) == 192 + 64
+    assert L.footprint_bytes(1, 4, slot) == 192 + 192
