@@ -32,12 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from shmcoll import bench, config, tune
+from shmcoll import bench, collectives, config, tune
 from shmcoll.algos import select
 from shmcoll.algos.registry import Query
-
-COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall", "gather", "scatter")
-ROOTED = ("broadcast", "reduce", "gather", "scatter")
+from shmcoll.collectives import COLLECTIVES
 
 
 def auto_pick(
@@ -45,7 +43,7 @@ def auto_pick(
 ) -> str:
     """The algorithm ``auto`` runs for this call: with ``table``, the one it would choose from that
     table; else the communicator's own choice (``SHMCOLL_TUNE_FILE``, ``SHMCOLL_ALGO``)."""
-    count = total_count // world_size if collective in select.BLOCKED else total_count
+    count = total_count // world_size if collectives.get(collective).blocked else total_count
     cfg = config.get()
     query = Query(collective, world_size, count, itemsize, root=0, registered=registered)
     if table is not None:

@@ -20,17 +20,17 @@ import numpy as np
 import shmcoll
 from shmcoll.engine import cpu as engine
 from shmcoll.plan import ir
-from shmcoll.plan.ir import Plan, SegmentedPlan, Step
+from shmcoll.plan.ir import CallPlan, Plan, Step
 
 
-def _ring_plan(world_size: int, laps: int) -> SegmentedPlan:
+def _ring_plan(world_size: int, laps: int) -> CallPlan:
     programs: list[list[Step]] = []
     for r in range(world_size):
         right, left = (r + 1) % world_size, (r - 1) % world_size
         send, recv = Step(count=0, send=right), Step(count=0, recv=left)
         programs.append(([send, recv] if r == 0 else [recv, send]) * laps)
     plan = Plan("barrier", "direct", world_size, 0, 0, False, programs)
-    return SegmentedPlan(body=None, tail=plan, reps=0, piece=1)
+    return CallPlan(body=None, tail=plan, reps=0, piece=1)
 
 
 def _engine_ring(comm, laps: int, repeats: int) -> list[float]:  # type: ignore[no-untyped-def]

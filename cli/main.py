@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from shmcoll import __version__
+from shmcoll._version import __version__
 from shmcoll.cli.plan import plan
 from shmcoll.cli.simulate import simulate
 from shmcoll.cli.train import train
@@ -101,14 +101,14 @@ def bench(
     With no options: allreduce of float32 from 8 B to 64 MiB on min(4, cores) ranks.
     Exits non-zero if any result element is wrong.
     """
-    from shmcoll import bench as B
+    from shmcoll import bench
 
-    collectives = B.BENCH_COLLECTIVES if collective == "all" else _csv(collective)
+    collectives = bench.BENCH_COLLECTIVES if collective == "all" else _csv(collective)
     modes = ("out-of-place", "in-place") if mode in (None, "both") else (mode,)
-    cfg = B.BenchConfig(
+    cfg = bench.BenchConfig(
         collectives=tuple(collectives),
         algorithms=_csv(algorithm),
-        nprocs=nprocs or B.default_nprocs(),
+        nprocs=nprocs or bench.default_nprocs(),
         min_bytes=min_bytes,
         max_bytes=max_bytes,
         step_factor=step_factor,
@@ -124,7 +124,7 @@ def bench(
         progress=not quiet,
     )
     try:
-        B.validate(cfg)
+        bench.validate(cfg)
     except (ValueError, TypeError) as exc:
         raise click.UsageError(str(exc)) from None
     if plot_path:
@@ -132,18 +132,18 @@ def bench(
             import matplotlib  # noqa: F401
         except ImportError:
             raise click.UsageError("--plot needs matplotlib: pip install 'shmcoll[plot]'") from None
-    rows = B.run(cfg)
-    click.echo(B.format_table(rows, stats=stats))
+    rows = bench.run(cfg)
+    click.echo(bench.format_table(rows, stats=stats))
     meta = {"nprocs": cfg.nprocs, "cores": len(os.sched_getaffinity(0)), "version": __version__}
     if json_path:
-        B.write_json(rows, json_path, meta)
+        bench.write_json(rows, json_path, meta)
     if csv_path:
-        B.write_csv(rows, csv_path)
+        bench.write_csv(rows, csv_path)
     if plot_path:
         series: dict[str, list] = {}  # type: ignore[type-arg]
         for r in rows:
             series.setdefault(f"{r.collective} {r.algorithm}", []).append(r)
-        B.plot(series, plot_path, title=f"shmcoll, {cfg.nprocs} ranks, {cfg.dtype}")
+        bench.plot(series, plot_path, title=f"shmcoll, {cfg.nprocs} ranks, {cfg.dtype}")
     if any(r.wrong > 0 for r in rows):
         sys.exit(1)
 

@@ -7,9 +7,8 @@ from collections.abc import Iterator
 
 import click
 
+from shmcoll import collectives
 from shmcoll.config import format_size, parse_size
-
-ROOTED = ("broadcast", "scatter", "gather", "reduce", "p2p")
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -67,7 +66,7 @@ def show(collective, algorithm, world_size, count, root, peer, slot_bytes, dtype
     from shmcoll import config
     from shmcoll.algos import registry
     from shmcoll.algos.registry import Query
-    from shmcoll.plan.passes import segment
+    from shmcoll.plan.passes import plan_call
 
     try:
         itemsize = np.dtype(dtype).itemsize
@@ -90,22 +89,30 @@ def show(collective, algorithm, world_size, count, root, peer, slot_bytes, dtype
         alg = registry.get(collective, algorithm)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    reason = alg.reason_unsupported(Query(collective, world_size, count, itemsize, root=root, inplace=in_place))
+    reason = alg.supports(Query(collective, world_size, count, itemsize, root=root, inplace=in_place))
     if reason is not None:
         raise click.UsageError(f"{collective}/{algorithm} cannot serve this call: {reason}")
     slot = slot_bytes or config.get().slot_bytes
-    slot_count = max(1, slot // itemsize)
+    slot_capacity = max(1, slot // itemsize)
     nslots = nslots or config.get().nslots
     if nslots < 1:
         raise click.BadParameter("must be >= 1", param_hint="--nslots")
-    seg = segment(
-        alg, world_size, count, slot_count, root=root, inplace=in_place, peer=peer or 0, options=options, nslots=nslots
+    seg = plan_call(
+        alg,
+        world_size,
+        count,
+        slot_capacity,
+        root=root,
+        inplace=in_place,
+        peer=peer or 0,
+        options=options,
+        nslots=nslots,
     )
     mode = "in place" if in_place else "out of place"
     groups = f"; groups of {group_size}" if group_size is not None else ""
     click.echo(
         f"# {collective}/{algorithm}: {world_size} ranks, count {count}, root {root}, {mode}; "
-        f"slot {format_size(slot)} = {slot_count} {dtype} elements, {nslots} per ring{groups}"
+        f"slot {format_size(slot)} = {slot_capacity} {dtype} elements, {nslots} per ring{groups}"
     )
     if seg.body is None:
         click.echo(f"# one piece of {seg.tail.count} elements (tail only); scratch {seg.tmp_count} elements")
@@ -131,7 +138,7 @@ def _cases(collective: str, n: int) -> Iterator[tuple[int, int]]:
         for root in range(n):
             for peer in sorted({(root + 1) % n, (root - 1) % n} - {root}):
                 yield root, peer
-    elif collective in ROOTED:
+    elif collectives.get(collective).rooted:
         for root in range(n):
             yield root, 0
     else:
@@ -148,7 +155,7 @@ def verify_algorithm(
     """Verify every plan shape of one algorithm; (plans checked, failures)."""
     from shmcoll.algos import registry
     from shmcoll.algos.registry import Query
-    from shmcoll.plan.passes import segment
+    from shmcoll.plan.passes import plan_call
     from shmcoll.plan.verify import PlanError, verify
 
     alg = registry.get(collective, algorithm)
@@ -159,13 +166,13 @@ def verify_algorithm(
             # count 0 and 1, around the world size, and several pieces with tiny slots
             for count, slot in ((0, 4), (1, 4), (n + 1, 4), (13, 3), (3 * n + 2, 2)):
                 for inplace in (False, True):
-                    if alg.reason_unsupported(Query(collective, n, count, 1, root=root, inplace=inplace)):
+                    if alg.supports(Query(collective, n, count, 1, root=root, inplace=inplace)):
                         continue
                     try:
                         options: dict[str, object] | None = {"group_size": group_size} if group_size else None
                         for ns in nslots:
                             # Built for the slots it runs with: plans for one slot carry fences.
-                            seg = segment(
+                            seg = plan_call(
                                 alg, n, count, slot, root=root, inplace=inplace, peer=peer, options=options, nslots=ns
                             )
                             verify(seg, world_size=n, count=count, root=root, inplace=inplace, nslots=ns, peer=peer)

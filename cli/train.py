@@ -105,7 +105,7 @@ def mnist(
     """
     import shmcoll
     from shmcoll.config import parse_size
-    from shmcoll.train import mnist as T
+    from shmcoll.train import mnist
 
     try:
         slot_size = None if slot_bytes is None else parse_size(slot_bytes)
@@ -117,7 +117,7 @@ def mnist(
             import matplotlib  # noqa: F401
         except ImportError:
             raise click.UsageError("--plot needs matplotlib: pip install 'shmcoll[plot]'") from None
-    cfg = T.TrainConfig(
+    cfg = mnist.TrainConfig(
         nprocs=nprocs or max(1, min(4, len(os.sched_getaffinity(0)))),
         epochs=epochs,
         batch_size=batch_size,
@@ -139,7 +139,7 @@ def mnist(
         raise click.UsageError("--check-equivalence compares N ranks with 1 process: give --nprocs 2 or more")
     try:
         cfg.validate()
-        click.echo(T.describe(cfg))
+        click.echo(mnist.describe(cfg))
     except (ValueError, FileNotFoundError) as exc:
         raise click.UsageError(str(exc)) from None
 
@@ -151,16 +151,16 @@ def mnist(
         if check_equivalence:
             click.echo(f"--- {run_cfg.nprocs} rank(s) ---")
         try:
-            result = T.train(run_cfg)
+            result = mnist.train(run_cfg)
         except shmcoll.SpawnError as exc:
             click.echo(f"training failed: {exc}", err=True)
             sys.exit(1)
-        click.echo(T.format_summary(result))
+        click.echo(mnist.format_summary(result))
         results.append(result)
 
     failed = False
     if check_equivalence:
-        eq = T.compare(results[0], results[1], tolerance)
+        eq = mnist.compare(results[0], results[1], tolerance)
         verdict = "OK" if eq.ok else "FAILED"
         click.echo(
             f"equivalence: {cfg.nprocs} ranks vs 1 process, same global batch: max |loss difference| over "
@@ -169,7 +169,7 @@ def mnist(
         )
         failed |= not eq.ok
     if plot_path:
-        T.plot(results, plot_path)
+        mnist.plot(results, plot_path)
         click.echo(f"wrote {plot_path}")
     if target_acc is not None and results[0].test_acc < target_acc:
         click.echo(f"held-out accuracy {results[0].test_acc:.4f} is below the target {target_acc}", err=True)

@@ -64,14 +64,13 @@ def tune(
 ) -> None:  # type: ignore[no-untyped-def]
     """Calibrate the cost model (ping-pong latency and bandwidth through the engine) and time every
     registered algorithm at a set of sizes; write the table that algorithm="auto" reads."""
-    from shmcoll import bench, config
-    from shmcoll import tune as T
+    from shmcoll import bench, config, tune
 
     try:
         sizes = tuple(int(v) for v in _csv(nprocs)) if nprocs else tuple(sorted({2, bench.default_nprocs()}))
     except ValueError:
         raise click.BadParameter(f"expected comma-separated integers, got {nprocs!r}", param_hint="--nprocs") from None
-    cfg = T.TuneConfig(
+    cfg = tune.TuneConfig(
         world_sizes=sizes,
         collectives=bench.BENCH_COLLECTIVES if collective == "all" else _csv(collective),
         min_bytes=min_bytes,
@@ -89,6 +88,6 @@ def tune(
     except (ValueError, TypeError) as exc:
         raise click.UsageError(str(exc)) from None
     path = output or config.get().tune_file
-    table, link = T.run(cfg, path, timeout=timeout, progress=lambda text: click.echo(f"# {text}", err=True))
-    click.echo(T.summary(table, link))
+    table, link = tune.run(cfg, path, timeout=timeout, progress=lambda text: click.echo(f"# {text}", err=True))
+    click.echo(tune.summary(table, link))
     click.echo(f"# wrote {path}")

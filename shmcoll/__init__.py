@@ -4,8 +4,7 @@ Start ranks with :func:`spawn`, :class:`Group` or ``shmcoll run`` + :func:`init`
 :class:`Communicator` whose methods are the collectives.
 """
 
-__version__ = "0.1.0"
-
+from shmcoll._version import __version__
 from shmcoll.comm import Communicator
 from shmcoll.errors import (
     CollectiveMismatchError,

@@ -29,24 +29,19 @@ from typing import Any
 
 import numpy as np
 
+from shmcoll import collectives
 from shmcoll.algos import registry
 from shmcoll.algos.registry import Query
+from shmcoll.collectives import COLLECTIVES
 from shmcoll.types import FOLD_UFUNC, ReduceOp, engine_types, supports
 
-BENCH_COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall", "gather", "scatter")
-REDUCING = ("allreduce", "reduce", "reduce_scatter")
-ROOTED = ("broadcast", "reduce", "gather", "scatter")
+BENCH_COLLECTIVES = COLLECTIVES
 MIN_ITERATION_S = 20e-6
 
 
 def bus_factor(collective: str, world_size: int) -> float:
     """nccl-tests' bus bandwidth factor."""
-    n = world_size
-    if collective == "allreduce":
-        return 2 * (n - 1) / n
-    if collective in ("broadcast", "reduce"):
-        return 1.0
-    return (n - 1) / n
+    return collectives.get(collective).bus_factor(world_size)
 
 
 def default_nprocs() -> int:
@@ -130,7 +125,7 @@ def algorithms_for(cfg: BenchConfig, collective: str, world_size: int, inplace: 
                     inplace=inplace,
                     registered=cfg.registered,
                 )
-                if alg.reason_unsupported(q) is None and alg.name not in names:
+                if alg.supports(q) is None and alg.name not in names:
                     names.append(alg.name)
         elif name == "auto" or any(a.name == name for a in registry.algorithms(collective)):
             if name not in names:
@@ -354,7 +349,7 @@ def bench_rank(comm: Any, cfg: BenchConfig) -> list[Row]:
         for mode in cfg.modes
     ]
     for done, (collective, nbytes, mode) in enumerate(points, 1):
-        root = cfg.root if collective in ROOTED else -1
+        root = cfg.root if collectives.get(collective).rooted else -1
         algorithms = algorithms_for(cfg, collective, n, mode == "in-place")
         if cfg.progress and comm.rank == 0:
             sys.stderr.write(f"\r\033[K[{done}/{len(points)}] {collective} {nbytes} B {mode}")
@@ -378,7 +373,7 @@ def bench_rank(comm: Any, cfg: BenchConfig) -> list[Row]:
                     nbytes,
                     bufs.count,
                     dtype.name,
-                    cfg.op.lower() if collective in REDUCING else "none",
+                    cfg.op.lower() if collectives.get(collective).reducing else "none",
                     root,
                     mode,
                     med * 1e6,
@@ -458,7 +453,7 @@ def validate(cfg: BenchConfig) -> None:
     for c in cfg.collectives:
         if c not in BENCH_COLLECTIVES:
             raise ValueError(f"unknown collective {c!r}; one of {', '.join(BENCH_COLLECTIVES)}")
-        if c in REDUCING and not supports(op, dtype):
+        if collectives.get(c).reducing and not supports(op, dtype):
             raise ValueError(f"op {op.name} is not defined for {dtype}")
         if not algorithms_for(cfg, c, cfg.nprocs):
             raise ValueError(f"none of the algorithms {list(cfg.algorithms)} serves {c}")

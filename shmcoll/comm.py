@@ -27,10 +27,11 @@ from typing import Any
 import numpy as np
 import psutil
 
-from shmcoll import config, topology
+from shmcoll import collectives, config, topology
 from shmcoll.algos import registry
 from shmcoll.algos.registry import ALGORITHM_NAMES, Query
 from shmcoll.algos.select import choose
+from shmcoll.collectives import KIND_CODE
 from shmcoll.engine import cpu as engine
 from shmcoll.errors import (
     CollectiveMismatchError,
@@ -43,7 +44,7 @@ from shmcoll.errors import (
     UnsupportedError,
 )
 from shmcoll.plan import ir
-from shmcoll.plan.passes import segment
+from shmcoll.plan.passes import plan_call
 from shmcoll.plan.verify import verify
 from shmcoll.shm import layout as L
 from shmcoll.shm.arena import Arena, ArenaHandle, proc_stat
@@ -55,8 +56,6 @@ from shmcoll.types import (
     DTYPE_CODE,
     FLOAT16,
     FLOAT32,
-    KIND_CODE,
-    REDUCING,
     ReduceOp,
     engine_types,
     supports,
@@ -753,7 +752,7 @@ class Communicator:
             return f"{name} has no zero-copy form"
         if not isinstance(x, SharedArray) or x._allocation not in self._allocations:
             return "this rank's buffer is not from comm.alloc on this communicator"
-        if name in REDUCING and x.dtype == FLOAT16:
+        if collectives.get(name).reducing and x.dtype == FLOAT16:
             return "float16 reduces through float32 scratch, which peers cannot read"
         a_in = x._allocation
         shift_in = a_in.placement(x, self._rank) if a_in is not None else None
@@ -1133,7 +1132,7 @@ class Communicator:
             self._check_root(root)
         if not isinstance(algorithm, str):
             raise TypeError(f"algorithm must be a string, got {algorithm!r}")
-        reducing = kind in REDUCING
+        reducing = collectives.get(kind).reducing
         f16 = False
         if reducing:
             rop = _as_op(op)
@@ -1160,10 +1159,10 @@ class Communicator:
             alg = choose(query, algorithm, slot_bytes=lay.slot_bytes, nslots=lay.nslots, group_size=groups)
             if alg.name == "hierarchical":
                 options = {"group_size": groups}
-        slot_count = lay.slot_bytes // edt.itemsize
+        slot_capacity = lay.slot_bytes // edt.itemsize
         n = self._world_size
-        plan = segment(
-            alg, n, count, slot_count, root=root, inplace=inplace, peer=peer, options=options, nslots=lay.nslots
+        plan = plan_call(
+            alg, n, count, slot_capacity, root=root, inplace=inplace, peer=peer, options=options, nslots=lay.nslots
         )
         if self._verify:
             verify(

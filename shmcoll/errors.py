@@ -38,6 +38,11 @@ class CommunicatorBrokenError(ShmcollError):
     """The communicator was aborted or failed earlier; create a new one."""
 
 
+class PlanError(ShmcollError):
+    """A plan breaks its collective's postcondition: a bug in an algorithm's builder, found by
+    the symbolic verifier (:mod:`shmcoll.plan.verify`)."""
+
+
 class UnsupportedError(ShmcollError, ValueError):
     """The request is well formed but this algorithm, dtype or op cannot serve it."""
 

@@ -22,6 +22,7 @@ import numba
 import numpy as np
 
 from shmcoll import config
+from shmcoll._version import __version__
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -40,8 +41,6 @@ _JITTED_SOURCES = (
 
 
 def _source_key() -> str:
-    from shmcoll import __version__
-
     h = hashlib.sha256()
     for name in (__version__, numba.__version__, np.__version__, sys.version):
         h.update(name.encode())

@@ -40,7 +40,7 @@ from shmcoll import config
 from shmcoll.comm import Communicator
 from shmcoll.engine import cpu as engine
 from shmcoll.errors import ShmcollError, SpawnError
-from shmcoll.shm import layout as L
+from shmcoll.shm import layout
 from shmcoll.shm.arena import Arena, ArenaHandle
 from shmcoll.shm.segment import new_token, unlink_job
 
@@ -207,7 +207,7 @@ class Group:
             arena.close()
             raise
 
-    def abort(self, failed_rank: int = -1, code: int = L.ABORT_ERROR) -> None:
+    def abort(self, failed_rank: int = -1, code: int = layout.ABORT_ERROR) -> None:
         """Abort the job's communicator from the owner (the launcher after a rank failed)."""
         if self._arena is None:
             return
@@ -221,16 +221,11 @@ class Group:
         if self._arena is None:
             return None
         info = self._arena.abort_info()
-        if info["code"] == L.ABORT_PEER_LOST:
+        if info["code"] == layout.ABORT_PEER_LOST:
             return info["peer"]
-        if info["code"] == L.ABORT_ERROR and info["origin"] >= 0:
+        if info["code"] == layout.ABORT_ERROR and info["origin"] >= 0:
             return info["origin"]
         return None
-
-    def rank_record(self, rank: int, field: int) -> int:
-        """A field of a rank's record (owner only), for launcher diagnostics."""
-        assert self._arena is not None
-        return self._arena.rank_field(rank, field)
 
     def close(self) -> None:
         """Remove everything the job put in ``/dev/shm`` (owner); idempotent."""
@@ -435,7 +430,7 @@ def _join(group: Group, procs: list[Any], readers: list[Any], timeout: float | N
                         failures.append(_Failure(rank, _describe_exit(p.exitcode), exitcode=p.exitcode))
             if failures and grace_end is None:
                 first = next((f for f in failures if not f.secondary), failures[0])
-                group.abort(first.rank, L.ABORT_PEER_LOST if first.exitcode else L.ABORT_ERROR)
+                group.abort(first.rank, layout.ABORT_PEER_LOST if first.exitcode else layout.ABORT_ERROR)
                 grace_end = time.monotonic() + _GRACE_S
     finally:
         for p in procs:
@@ -634,7 +629,7 @@ def _join_children(group: Group, children: list[_Child], timeout: float | None, 
                 first = next(((r, c) for r, c in failed if r == culprit), failed[0])
                 rank, code = first
                 print(f"shmcoll run: rank {rank} {_describe_exit(code)}; stopping the others", file=out)
-                group.abort(rank, L.ABORT_PEER_LOST if code < 0 else L.ABORT_ERROR)
+                group.abort(rank, layout.ABORT_PEER_LOST if code < 0 else layout.ABORT_ERROR)
                 grace_end = now + _GRACE_S
         if all(code is not None for code in codes):
             break

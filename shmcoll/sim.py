@@ -45,16 +45,16 @@ from collections.abc import Callable, Iterable, Sequence
 from fractions import Fraction
 from typing import Any
 
+from shmcoll import collectives
 from shmcoll.algos import registry
 from shmcoll.algos.registry import Algorithm, Query
 from shmcoll.bench import BENCH_COLLECTIVES, bus_factor
-from shmcoll.plan.ir import Plan, SegmentedPlan
-from shmcoll.plan.passes import segment
+from shmcoll.plan.ir import CallPlan, Plan
+from shmcoll.plan.passes import plan_call
 
 EXACT_LIMIT = 128
 """Plans are simulated exactly up to this many ranks; closed forms are used above it."""
 
-BLOCKED = frozenset({"allgather", "reduce_scatter", "alltoall", "gather", "scatter"})
 """Collectives whose size (the largest per-rank buffer, as in ``bench``) is ``world_size`` blocks."""
 
 SIMULATED_COLLECTIVES = BENCH_COLLECTIVES
@@ -360,7 +360,7 @@ EXACT_PIECES = 8
 _TRY_PIECES = (8, 16, 32)
 
 
-def simulate(plan: SegmentedPlan, itemsize: int, model: CostModel | Costs) -> Simulated:
+def simulate(plan: CallPlan, itemsize: int, model: CostModel | Costs) -> Simulated:
     """The predicted time of a whole call (``plan.reps`` body pieces, then the tail)."""
     costs = model.costs() if isinstance(model, CostModel) else model
     tail = compile_plan(plan.tail, itemsize)
@@ -410,13 +410,13 @@ def plan_options(group_size: int | None) -> dict[str, object] | None:
 
 def count_for(collective: str, world_size: int, size_bytes: int, itemsize: int) -> int:
     """Elements per block of a call whose size (the largest per-rank buffer) is ``size_bytes``."""
-    blocks = world_size if collective in BLOCKED else 1
+    blocks = world_size if collectives.get(collective).blocked else 1
     return size_bytes // itemsize // blocks
 
 
 def size_of(collective: str, world_size: int, count: int, itemsize: int) -> int:
     """The size of a call (bench's convention: allgather's output, reduce_scatter's input)."""
-    return count * itemsize * (world_size if collective in BLOCKED else 1)
+    return collectives.get(collective).call_bytes(world_size, count, itemsize)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -449,9 +449,9 @@ def plan_time(
     algorithm: Algorithm, world_size: int, count: int, itemsize: int, model: CostModel, slot_bytes: int, root: int = 0
 ) -> Simulated:
     """Simulate ``algorithm`` on a call of ``count`` elements per block (cached)."""
-    slot_count = max(1, slot_bytes // itemsize)
+    slot_capacity = max(1, slot_bytes // itemsize)
     options = plan_options(model.group_size)
-    plan = segment(algorithm, world_size, count, slot_count, root=root, options=options, nslots=model.nslots)
+    plan = plan_call(algorithm, world_size, count, slot_capacity, root=root, options=options, nslots=model.nslots)
     return simulate(plan, itemsize, model)
 
 
@@ -481,7 +481,7 @@ def predict(
     def row(time_s: float | None, traffic: float | None, method: str, note: str = "") -> Prediction:
         return Prediction(collective, algorithm, world_size, size, time_s, traffic, method, note)
 
-    reason = alg.reason_unsupported(Query(collective, world_size, count, itemsize, root=root))
+    reason = alg.supports(Query(collective, world_size, count, itemsize, root=root))
     if reason is not None:
         return row(None, None, "", f"unsupported: {reason}")
     if world_size <= limit:
@@ -661,9 +661,9 @@ def plan_figures(
     n = world_size
     options = plan_options(group_size)
     piece = max(1, alg.piece_count(FIT_SLOT, n, options))
-    if alg.reason_unsupported(Query(collective, n, piece, 1)) is not None:
+    if alg.supports(Query(collective, n, piece, 1)) is not None:
         return None
-    plan = segment(alg, n, piece, FIT_SLOT, options=options, nslots=nslots)
+    plan = plan_call(alg, n, piece, FIT_SLOT, options=options, nslots=nslots)
     prog = compile_plan(plan.tail, 1)
     size = size_of(collective, n, piece, 1)
     out: dict[str, Fraction] = {}
@@ -771,11 +771,11 @@ class ClosedForm:
     def figures(self, n: int) -> dict[str, Fraction]:
         return {name: f(n) for name, f in self.formulas}
 
-    def time(self, alg: Algorithm, n: int, count: int, itemsize: int, slot_count: int, model: CostModel) -> float:
+    def time(self, alg: Algorithm, n: int, count: int, itemsize: int, slot_capacity: int, model: CostModel) -> float:
         """Predicted time of a call: the first piece, then one period per further piece."""
         f = {k: float(v) for k, v in self.figures(n).items()}
         c = model.costs()
-        piece = max(1, alg.piece_count(slot_count, n, plan_options(self.group_size)))
+        piece = max(1, alg.piece_count(slot_capacity, n, plan_options(self.group_size)))
 
         def cost(prefix: str, elements: int) -> float:
             nbytes = size_of(self.collective, n, elements, itemsize)

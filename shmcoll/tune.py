@@ -156,9 +156,9 @@ def _tune_rank(comm: Any, cfg: TuneConfig, measure_link: bool) -> tuple[Link | N
 # --- calibration -----------------------------------------------------------------------------------
 def _p2p_coefficients(nbytes: int, slot_bytes: int, nslots: int) -> tuple[float, float]:
     """(alpha, 1/beta) coefficients of the simulated one-way time of an ``nbytes`` message."""
-    from shmcoll.plan.passes import segment
+    from shmcoll.plan.passes import plan_call
 
-    plan = segment(registry.get("p2p", "direct"), 2, nbytes, slot_bytes, root=0, peer=1)
+    plan = plan_call(registry.get("p2p", "direct"), 2, nbytes, slot_bytes, root=0, peer=1)
     a = simulate(plan, 1, Costs(1.0, 0.0, 1.0, 0.0, None, nslots)).time_s
     b = simulate(plan, 1, Costs(0.0, 1.0, 0.0, 1.0, None, nslots)).time_s
     return a, b

@@ -1,4 +1,4 @@
-"""Reduction ops, the dtype table, collective names and which (op, dtype) pairs are valid.
+"""Reduction ops, the dtype table and which (op, dtype) pairs are valid.
 
 Reductions follow numpy's element-wise ufuncs: SUM is ``np.add``, PROD ``np.multiply``, MIN
 ``np.minimum`` and MAX ``np.maximum`` (NaN propagates), BAND/BOR/BXOR the bitwise ufuncs. AVG is
@@ -41,25 +41,6 @@ FOLD_UFUNC: dict[ReduceOp, np.ufunc] = {
     ReduceOp.BOR: np.bitwise_or,
     ReduceOp.BXOR: np.bitwise_xor,
 }
-
-# Every collective name, spelled one way everywhere; the index is the collective's code in a
-# call signature. "barrier" and "p2p" are internal plans, not user-facing collective names.
-COLLECTIVES: tuple[str, ...] = (
-    "broadcast",
-    "scatter",
-    "gather",
-    "allgather",
-    "reduce",
-    "allreduce",
-    "reduce_scatter",
-    "alltoall",
-)
-INTERNAL_PLANS: tuple[str, ...] = ("barrier", "p2p")
-PLAN_KINDS: tuple[str, ...] = COLLECTIVES + INTERNAL_PLANS
-KIND_CODE: dict[str, int] = {name: code for code, name in enumerate(PLAN_KINDS)}
-
-REDUCING: frozenset[str] = frozenset({"reduce", "allreduce", "reduce_scatter"})
-ROOTED: frozenset[str] = frozenset({"broadcast", "scatter", "gather", "reduce"})
 
 # The dtype table: code (used in call signatures) -> numpy dtype.
 DTYPES: tuple[np.dtype, ...] = tuple(
@@ -136,10 +117,6 @@ def engine_types(dtype: np.dtype, op: ReduceOp) -> tuple[np.dtype, ReduceOp]:
     if dtype == FLOAT16:
         return FLOAT32, op
     return dtype, op
-
-
-def op_name(op: int) -> str:
-    return ReduceOp(op).name
 
 
 def dtype_name(code: int) -> str:

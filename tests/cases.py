@@ -65,9 +65,9 @@ def make_case(**kw: Any) -> Case:
     return Case(**kw)
 
 
-def counts_for(world_size: int, slot_count: int) -> list[int]:
+def counts_for(world_size: int, slot_capacity: int) -> list[int]:
     """0, 1, world-1, world+1, a prime, and several slots' worth (more than the whole ring)."""
-    return sorted({0, 1, max(world_size - 1, 0), world_size + 1, 13, 3 * slot_count + 5})
+    return sorted({0, 1, max(world_size - 1, 0), world_size + 1, 13, 3 * slot_capacity + 5})
 
 
 def _values(rng: np.random.Generator, dtype: np.dtype, op: int, count: int, data: str) -> np.ndarray:
@@ -274,8 +274,8 @@ def matrix(
         for alg in algs:
             for root in roots:
                 for dtype in DTYPES:
-                    slot_count = max(slot_bytes // dtype.itemsize, 1)
-                    counts = counts_for(world_size, slot_count)
+                    slot_capacity = max(slot_bytes // dtype.itemsize, 1)
+                    counts = counts_for(world_size, slot_capacity)
                     if kind in REDUCING:
                         ops = [op for op in ReduceOp if supports(op, dtype)]
                     else:

@@ -15,7 +15,7 @@ from shmcoll.algos import registry
 from shmcoll.algos.registry import ALGORITHM_NAMES, Algorithm, Query
 from shmcoll.plan.builder import Context
 from shmcoll.plan.ir import Buf
-from shmcoll.plan.passes import segment
+from shmcoll.plan.passes import plan_call
 
 
 def _cli():  # type: ignore[no-untyped-def]
@@ -44,7 +44,7 @@ def _shmcoll(*args: str, env: dict[str, str] | None = None, timeout: float = 300
 def test_plan_show_prints_every_ranks_steps() -> None:
     result = _invoke("plan", "show", "allreduce", "-n", "3", "--count", "5")
     assert result.exit_code == 0, result.output
-    plan = segment(registry.get("allreduce", "direct"), 3, 5, 16384)
+    plan = plan_call(registry.get("allreduce", "direct"), 3, 5, 16384)
     lines = result.output.splitlines()
     for rank in range(3):
         start = lines.index(f"rank {rank}:")
@@ -178,9 +178,7 @@ def test_tune_writes_the_table_auto_reads(tmp_path) -> None:  # type: ignore[no-
     entry, on_alloc = sorted(data["measured"], key=lambda m: m["registered"])
     for m in (entry, on_alloc):
         assert (m["collective"], m["world_size"], m["sizes"]) == ("allreduce", 2, [8, 256])
-    names = {
-        a.name for a in registry.algorithms("allreduce") if a.reason_unsupported(Query("allreduce", 2, 1024, 4)) is None
-    }
+    names = {a.name for a in registry.algorithms("allreduce") if a.supports(Query("allreduce", 2, 1024, 4)) is None}
     assert set(entry["times_s"]) == names and all(t > 0 for ts in entry["times_s"].values() for t in ts)
     assert set(on_alloc["times_s"]) == names | {"zerocopy"} and "# allreduce, 2 ranks on comm.alloc" in proc.stdout
     assert data["fastest"][0]["by_size"][0][1] in names

@@ -134,9 +134,9 @@ def _halves(count: int) -> list[tuple[int, int]]:
     return [(0, h), (h, count - h)]
 
 
-def _two_slots(slot_count: int, world_size: int) -> int:
+def _two_slots(slot_capacity: int, world_size: int) -> int:
     # Two halves of at most one slot each: every step moves one half.
-    return 2 * slot_count
+    return 2 * slot_capacity
 
 
 def _reduce_up(

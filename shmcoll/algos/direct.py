@@ -140,7 +140,7 @@ def reduce_scatter(ctx: Context) -> None:
         )
 
 
-@register("barrier", "direct", piece=lambda slot_count, world_size: 1)
+@register("barrier", "direct", piece=lambda slot_capacity, world_size: 1)
 def barrier(ctx: Context) -> None:
     """Dissemination barrier: in round k each rank signals rank + 2^k; ceil(log2 n) rounds."""
     n = ctx.world_size

@@ -161,9 +161,9 @@ def _exchange(ctx: Context, rank: int, sends: list[list[Step]], recvs: list[list
             ctx.emit(rank, step)
 
 
-def _two_slots(slot_count: int, world_size: int) -> int:
+def _two_slots(slot_capacity: int, world_size: int) -> int:
     """Allreduce piece rule: no message carries more than half a piece (see the docstring)."""
-    return 2 * slot_count if world_size > 1 else slot_count
+    return 2 * slot_capacity if world_size > 1 else slot_capacity
 
 
 @register("allreduce", "halving_doubling", piece=_two_slots)

@@ -71,15 +71,15 @@ def _groups(ctx: Context) -> list[list[int]]:
     return groups(ctx.world_size, ctx.options.get("group_size"))
 
 
-def _allreduce_piece(slot_count: int, world_size: int, options: Mapping[str, object]) -> int:
+def _allreduce_piece(slot_capacity: int, world_size: int, options: Mapping[str, object]) -> int:
     sizes = {len(m) for m in groups(world_size, options.get("group_size"))}
-    most = min(sizes) * slot_count  # chunks of at most one slot in every group
+    most = min(sizes) * slot_capacity  # chunks of at most one slot in every group
     step = math.lcm(*sizes)
     return most // step * step if most >= step else most
 
 
-def _two_slots(slot_count: int, world_size: int) -> int:
-    return 2 * slot_count  # dbtree's halves at both levels
+def _two_slots(slot_capacity: int, world_size: int) -> int:
+    return 2 * slot_capacity  # dbtree's halves at both levels
 
 
 def _at(buf: Buf, off: int) -> Place:
@@ -101,7 +101,9 @@ def _reserve(ctx: Context, used: int) -> None:
     ctx.tmp_count += used
 
 
-@register("allreduce", "hierarchical", piece=lambda slot_count, world_size: slot_count, options_piece=_allreduce_piece)
+@register(
+    "allreduce", "hierarchical", piece=lambda slot_capacity, world_size: slot_capacity, options_piece=_allreduce_piece
+)
 def allreduce(ctx: Context) -> None:
     """Intra-group reduce-scatter, inter-group allreduce of each shard, intra-group allgather."""
     count = ctx.count

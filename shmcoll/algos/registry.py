@@ -52,8 +52,8 @@ OptionsPieceRule = Callable[[int, int, Mapping[str, object]], int]
 class Algorithm:
     """A registered builder for one collective.
 
-    ``piece(slot_count, world_size)`` is the largest per-block count one pass of the builder may
-    handle so that no step moves more than ``slot_count`` elements; a builder whose pieces depend
+    ``piece(slot_capacity, world_size)`` is the largest per-block count one pass of the builder may
+    handle so that no step moves more than ``slot_capacity`` elements; a builder whose pieces depend
     on its options (``hierarchical``'s groups) gives ``options_piece`` instead, and callers ask
     :meth:`piece_count`. ``supports(query)`` returns ``None`` when the algorithm can serve the
     call, else the reason it cannot.
@@ -67,27 +67,24 @@ class Algorithm:
     doc: str
     options_piece: OptionsPieceRule | None = None
 
-    def piece_count(self, slot_count: int, world_size: int, options: Mapping[str, object] | None = None) -> int:
+    def piece_count(self, slot_capacity: int, world_size: int, options: Mapping[str, object] | None = None) -> int:
         """The piece for a call with these builder options (see the class docstring)."""
         if self.options_piece is not None:
-            return self.options_piece(slot_count, world_size, options or {})
-        return self.piece(slot_count, world_size)
+            return self.options_piece(slot_capacity, world_size, options or {})
+        return self.piece(slot_capacity, world_size)
 
     @property
     def code(self) -> int:
         return ALGORITHM_NAMES.index(self.name)
-
-    def reason_unsupported(self, query: Query) -> str | None:
-        return self.supports(query)
 
 
 def _always(query: Query) -> str | None:
     return None
 
 
-def one_slot(slot_count: int, world_size: int) -> int:
+def one_slot(slot_capacity: int, world_size: int) -> int:
     """Piece rule of builders whose every step moves a whole piece."""
-    return slot_count
+    return slot_capacity
 
 
 _REGISTRY: dict[tuple[str, str], Algorithm] = {}

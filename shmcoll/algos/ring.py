@@ -43,9 +43,9 @@ from shmcoll.plan.builder import Context, split
 from shmcoll.plan.ir import Buf, Region
 
 
-def _allreduce_piece(slot_count: int, world_size: int) -> int:
+def _allreduce_piece(slot_capacity: int, world_size: int) -> int:
     # n chunks of at most one slot each: every step moves one chunk.
-    return world_size * slot_count
+    return world_size * slot_capacity
 
 
 def _at(buf: Buf, off: int = 0) -> Region:

@@ -39,18 +39,17 @@ import logging
 import math
 from typing import Any
 
-from shmcoll import config
+from shmcoll import collectives, config
 from shmcoll.algos import registry
 from shmcoll.algos.registry import ALGORITHM_NAMES, Algorithm, Query
+from shmcoll.collectives import COLLECTIVES
 from shmcoll.errors import UnsupportedError
-from shmcoll.types import COLLECTIVES
 
 log = logging.getLogger("shmcoll")
 
 TUNE_VERSION = 1
 DEFAULT_ALPHA_S = 0.25e-6  # see docs/simulator.md, "Figures measured here"
 DEFAULT_BETA_BPS = 20e9
-BLOCKED = frozenset({"allgather", "reduce_scatter", "alltoall", "gather", "scatter"})
 
 
 # --- overrides -----------------------------------------------------------------------------------
@@ -241,7 +240,7 @@ class Decision:
 
 def call_size(query: Query) -> int:
     """The call's size in bytes as overrides and the tune table count it (see the module doc)."""
-    return query.count * query.itemsize * (query.world_size if query.collective in BLOCKED else 1)
+    return collectives.get(query.collective).call_bytes(query.world_size, query.count, query.itemsize)
 
 
 def _candidates(query: Query) -> tuple[list[Algorithm], dict[str, str]]:
@@ -249,7 +248,7 @@ def _candidates(query: Query) -> tuple[list[Algorithm], dict[str, str]]:
     flipped = dataclasses.replace(query, inplace=not query.inplace)
     ok, why = [], {}
     for alg in registry.algorithms(query.collective):
-        reason = alg.reason_unsupported(query) or alg.reason_unsupported(flipped)
+        reason = alg.supports(query) or alg.supports(flipped)
         if reason is None:
             ok.append(alg)
         else:
@@ -325,10 +324,10 @@ def decide(
         # The model's groups are the ones hierarchical plans are built for (sim passes them on).
         model = dataclasses.replace(model, group_size=group_size)
     slot = slot_bytes or (table.slot_bytes if table is not None else config.get().slot_bytes)
-    root = query.root if query.collective in ("broadcast", "reduce", "gather", "scatter") else 0
+    root = query.root if collectives.get(query.collective).rooted else 0
 
     def predicted(alg: Algorithm, nbytes: int) -> float | None:
-        count = nbytes // query.itemsize // (query.world_size if query.collective in BLOCKED else 1)
+        count = collectives.get(query.collective).count_for(query.world_size, nbytes, query.itemsize)
         try:
             return sim.call_time(alg, query.world_size, count, query.itemsize, model, slot, root)
         except RuntimeError as exc:  # the plan cannot run with these slots: never choose it
@@ -400,7 +399,7 @@ def choose(
     """
     if requested != "auto":
         alg = registry.get(query.collective, requested)
-        reason = alg.reason_unsupported(query)
+        reason = alg.supports(query)
         if reason is not None:
             raise UnsupportedError(f"algorithm {requested!r} cannot serve this {query.collective}: {reason}")
         return alg

@@ -39,7 +39,7 @@ from shmcoll.plan.ir import Buf, Region
 _WHOLE_CALL = 1 << 62  # no slots carry data, so a call is never cut into pieces
 
 
-def _whole(slot_count: int, world_size: int) -> int:
+def _whole(slot_capacity: int, world_size: int) -> int:
     return _WHOLE_CALL
 
 

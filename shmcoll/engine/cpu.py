@@ -46,6 +46,7 @@ would never wait for it.
 
 from __future__ import annotations
 
+from shmcoll.collectives import KIND_CODE
 from shmcoll.jit import jit
 from shmcoll.kernels.cpu import combine, copy
 from shmcoll.plan.ir import (
@@ -121,7 +122,6 @@ from shmcoll.shm.layout import (
     WORDS_PER_LINE,
 )
 from shmcoll.shm.liveness import OWNER_DIED
-from shmcoll.types import KIND_CODE
 
 # Status codes returned by execute.
 OK = 0

@@ -63,9 +63,11 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
+from shmcoll import collectives
+from shmcoll.collectives import KIND_CODE, PLAN_KINDS
 from shmcoll.errors import CollectiveMismatchError, UnsupportedError
 from shmcoll.kernels import cuda as kernels
-from shmcoll.types import DTYPE_CODE, DTYPES, FLOAT16, KIND_CODE, PLAN_KINDS, REDUCING, ROOTED, ReduceOp, engine_types
+from shmcoll.types import DTYPE_CODE, DTYPES, FLOAT16, ReduceOp, engine_types
 
 log = logging.getLogger("shmcoll")
 
@@ -393,8 +395,9 @@ class DeviceEngine:
         row[F_MAGIC] = _MAGIC
         row[F_KIND] = KIND_CODE[kind]
         row[F_DTYPE] = DTYPE_CODE[dtype]
-        row[F_OP] = int(op) if kind in REDUCING else -1
-        row[F_ROOT] = root if kind in ROOTED else -1
+        record = collectives.get(kind)
+        row[F_OP] = int(op) if record.reducing else -1
+        row[F_ROOT] = root if record.rooted else -1
         row[F_COUNT] = count
         row[F_ONESHOT] = self.oneshot_bytes
         row[F_PATH] = PATHS.index(self.path)
@@ -595,7 +598,7 @@ class DeviceEngine:
         block = count * dtype.itemsize
         a_bytes = block * (n if kind in ("scatter", "reduce_scatter", "alltoall") else 1)
         a_u8 = [self._region(j, seq, 0, a_bytes, _UINT8) for j in range(n)]
-        if kind in REDUCING:
+        if collectives.get(kind).reducing:
             edt, eop = engine_types(dtype, op)
             if dtype == FLOAT16:
                 edt = FLOAT16  # the kernel widens to float32 itself

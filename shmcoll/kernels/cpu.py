@@ -158,11 +158,3 @@ def combine(dst, doff, dst2, d2off, dual, x, xoff, y, yoff, count, op, divisor):
         else:
             for i in range(count):
                 d[i] = bit_xor(a[i], b[i])
-
-
-@jit
-def scale_final(dst, doff, count, divisor):  # type: ignore[no-untyped-def]
-    """AVG's final division in place, for a value that needed no combination (world_size 1)."""
-    d = dst[doff : doff + count]
-    for i in range(count):
-        d[i] = divide_count(d[i], divisor)

@@ -51,7 +51,7 @@ class Context:
     nslots: int = 1  # slots per ring the plan will run with; 1 is the safe assumption
     programs: list[Program] = dataclasses.field(default_factory=list)
     tmp_count: int = 0
-    slot_count: int = 0  # the most elements one step may move (0: not bounded); for compose
+    slot_capacity: int = 0  # the most elements one step may move (0: not bounded); for compose
 
     def __post_init__(self) -> None:
         if not self.programs:
@@ -188,7 +188,7 @@ class SubAlgorithm(Protocol):
     @property
     def build(self) -> Callable[[Context], None]: ...
 
-    def piece_count(self, slot_count: int, world_size: int, options: Mapping[str, object] | None = None) -> int: ...
+    def piece_count(self, slot_capacity: int, world_size: int, options: Mapping[str, object] | None = None) -> int: ...
 
 
 Place = Callable[[int, Region], Region]
@@ -274,8 +274,8 @@ def compose(
     base = parent.tmp_count if tmp_base is None else tmp_base
     n = len(ranks)
     piece = count
-    if parent.slot_count > 0:
-        piece = max(1, algorithm.piece_count(parent.slot_count, n, options))
+    if parent.slot_capacity > 0:
+        piece = max(1, algorithm.piece_count(parent.slot_capacity, n, options))
     used = 0
     target: Context = parent if keep_final else _NoFinal(parent)
     for off in range(0, count, piece):
@@ -299,7 +299,7 @@ def compose(
             inplace=inplace,
             block=block or count,
             options=dict(options or {}),
-            slot_count=parent.slot_count,
+            slot_capacity=parent.slot_capacity,
             nslots=parent.nslots,
         )
         algorithm.build(sub)

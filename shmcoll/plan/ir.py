@@ -8,13 +8,15 @@ Vocabulary (names elsewhere follow it):
 - **block**: the part of a buffer that belongs to one rank in a blocked collective (``gather``'s
   output holds ``world_size`` blocks); **chunk**: the part of a buffer an algorithm assigns to
   one rank (ring's reduce-scatter chunks).
-- **slot**: a fixed-size cell of a ring; **channel** (ring): one directed single-producer
-  single-consumer queue of slots between two ranks.
-- **segment**: what one step moves: at most one slot's payload.
+- **slot**: a fixed-size cell of a ring, holding at most ``slot_capacity`` elements of the
+  call's engine dtype; **channel** (ring): one directed single-producer single-consumer queue
+  of ``nslots`` slots between two ranks.
+- **message**: what one step sends or receives: at most one slot's payload.
 - **piece**: the sub-range of every block that one pass of an algorithm handles. A call's count
-  is cut into ``reps`` full pieces plus a tail piece, and the same step program (the **body**)
-  runs once per full piece, so plans stay small whatever the count and large messages pipeline
-  through a bounded number of slots.
+  is cut into ``reps`` full pieces plus a tail piece (:func:`shmcoll.plan.passes.plan_call`),
+  and the same step program (the **body**) runs once per full piece, so plans stay small
+  whatever the count and large calls pipeline through a bounded number of slots.
+- (A **segment** is a shared-memory segment, :mod:`shmcoll.shm.segment`, and nothing else.)
 - **step**: one instruction of a rank's program; **program**: one rank's steps; **plan**: the
   programs of all ranks for one call shape.
 - **seq**: the communicator's collective call counter (point-to-point transfers count per
@@ -48,7 +50,8 @@ import enum
 
 import numpy as np
 
-from shmcoll.types import DTYPE_CODE, KIND_CODE, PLAN_KINDS, ReduceOp, dtype_name
+from shmcoll.collectives import BY_CODE, KIND_CODE, PLAN_KINDS
+from shmcoll.types import DTYPE_CODE, ReduceOp, dtype_name
 
 
 class Buf(enum.IntEnum):
@@ -102,7 +105,6 @@ ENTRY_RESUME = 1  # the claimed call, continued after a wait returned to Python
 ENTRY_NESTED = 2  # a new call inside a call made of several (object collectives, alloc, split)
 
 NO_PEER = -1
-NO_BUF = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +224,7 @@ class Plan:
 
 
 @dataclasses.dataclass
-class SegmentedPlan:
+class CallPlan:
     """A call: ``reps`` runs of ``body`` on consecutive pieces, then ``tail`` on the rest."""
 
     body: Plan | None
@@ -282,9 +284,10 @@ def describe_sig(sig: int, algorithm_names: tuple[str, ...] = ()) -> str:
     if kind == "p2p":
         return f"send/recv(count={f['count']}, {dtype_name(f['dtype'])})"
     parts = [f"count={f['count']}", dtype_name(f["dtype"])]
-    if kind in ("reduce", "allreduce", "reduce_scatter"):
+    record = BY_CODE[f["kind"]]
+    if record.reducing:
         parts.append(ReduceOp(f["op"]).name if f["op"] < len(ReduceOp) else f"op#{f['op']}")
-    if kind in ("broadcast", "scatter", "gather", "reduce"):
+    if record.rooted:
         parts.append(f"root={f['root']}")
     alg = f["algorithm"]
     if alg < len(algorithm_names):
@@ -314,7 +317,7 @@ def _encode_steps(steps: Program, rank: int, channel: object) -> np.ndarray:
 
 
 def encode(
-    plan: SegmentedPlan,
+    plan: CallPlan,
     rank: int,
     channel: object,
     op: int,

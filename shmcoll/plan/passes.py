@@ -21,7 +21,7 @@ import dataclasses
 
 from shmcoll.algos.registry import Algorithm
 from shmcoll.plan.builder import Context
-from shmcoll.plan.ir import Buf, Plan, Program, Region, SegmentedPlan
+from shmcoll.plan.ir import Buf, CallPlan, Plan, Program, Region
 
 
 def _overlaps(a: Region | None, b: Region, count: int, a_count: int) -> bool:
@@ -78,7 +78,7 @@ def build_piece(
     peer: int = 0,
     options: dict[str, object] | None = None,
     collective: str | None = None,
-    slot_count: int = 0,
+    slot_capacity: int = 0,
     nslots: int = 1,
 ) -> Plan:
     """Run ``algorithm``'s builder for one piece of ``count`` elements per block, then fuse."""
@@ -92,39 +92,41 @@ def build_piece(
         block=block,
         peer=peer,
         options=dict(options or {}),
-        slot_count=slot_count,
+        slot_capacity=slot_capacity,
         nslots=nslots,
     )
     algorithm.build(ctx)
     return fuse(ctx.plan())
 
 
-def segment(
+def plan_call(
     algorithm: Algorithm,
     world_size: int,
     count: int,
-    slot_count: int,
+    slot_capacity: int,
     *,
     root: int = 0,
     inplace: bool = False,
     peer: int = 0,
     options: dict[str, object] | None = None,
     nslots: int = 1,
-) -> SegmentedPlan:
+) -> CallPlan:
     """The whole call: body pieces of at most one slot-load per step, then the tail.
 
     ``nslots`` is the number of slots per ring the plan will run with; plans for one slot keep
     some forwards apart (see ``Context.no_fuse``), so such a plan is correct for any number.
     """
-    slot_count = max(1, slot_count)
-    piece = max(1, algorithm.piece_count(slot_count, world_size, options))
-    kw = dict(root=root, inplace=inplace, peer=peer, options=options, block=count, slot_count=slot_count, nslots=nslots)
+    slot_capacity = max(1, slot_capacity)
+    piece = max(1, algorithm.piece_count(slot_capacity, world_size, options))
+    kw = dict(
+        root=root, inplace=inplace, peer=peer, options=options, block=count, slot_capacity=slot_capacity, nslots=nslots
+    )
     if count <= piece:
-        return SegmentedPlan(body=None, tail=build_piece(algorithm, world_size, count, **kw), reps=0, piece=piece)  # type: ignore[arg-type]
+        return CallPlan(body=None, tail=build_piece(algorithm, world_size, count, **kw), reps=0, piece=piece)  # type: ignore[arg-type]
     reps = (count - 1) // piece  # the tail is never empty: it is a full piece when count divides
     body = build_piece(algorithm, world_size, piece, **kw)  # type: ignore[arg-type]
     tail = build_piece(algorithm, world_size, count - reps * piece, **kw)  # type: ignore[arg-type]
-    return SegmentedPlan(body=body, tail=tail, reps=reps, piece=piece)
+    return CallPlan(body=body, tail=tail, reps=reps, piece=piece)
 
 
 def channel_skeleton(plan: Plan) -> list[list[tuple[str, int, int]]]:

@@ -23,24 +23,18 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from shmcoll.plan.ir import Buf, Plan, Region, SegmentedPlan, Step
+from shmcoll import collectives
+from shmcoll.errors import PlanError
+from shmcoll.plan.ir import Buf, CallPlan, Plan, Region, Step
 
 Value = Any
-
-
-class PlanError(AssertionError):
-    """A plan failed verification; the message says which rank, step and element."""
-
-
-_BLOCKED_IN = {"scatter", "reduce_scatter", "alltoall"}
-_BLOCKED_OUT = {"gather", "allgather", "alltoall"}
 
 
 class _Rank:
     def __init__(self, kind: str, rank: int, world_size: int, count: int, root: int, inplace: bool, tmp: int) -> None:
         n = world_size
-        in_size = n * count if kind in _BLOCKED_IN else count
-        out_size = n * count if kind in _BLOCKED_OUT else count
+        in_size = n * count if collectives.get(kind).blocks_in else count
+        out_size = n * count if collectives.get(kind).blocks_out else count
         # A buffer is (storage, offset into it): in-place calls make IN and OUT share storage.
         self.bufs: dict[Buf, tuple[list[Value], int]] = {}
         storage_in: list[Value] = [("x", rank, i) for i in range(in_size)]
@@ -306,7 +300,7 @@ def _check(kind: str, ranks: list[_Rank], world_size: int, count: int, root: int
 
 
 def verify(
-    plan: SegmentedPlan,
+    plan: CallPlan,
     *,
     world_size: int,
     count: int,
@@ -331,7 +325,7 @@ def verify(
 
 def verify_plan(plan: Plan, *, nslots: int = 1, peer: int = 0) -> None:
     """Check one piece's plan on its own (a call that is exactly one piece)."""
-    seg = SegmentedPlan(body=None, tail=plan, reps=0, piece=max(plan.count, 1))
+    seg = CallPlan(body=None, tail=plan, reps=0, piece=max(plan.count, 1))
     verify(
         seg,
         world_size=plan.world_size,

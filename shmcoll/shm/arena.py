@@ -21,9 +21,9 @@ import os
 import numpy as np
 
 from shmcoll.errors import ShmcollError
-from shmcoll.shm import layout as L
-from shmcoll.shm import liveness
+from shmcoll.shm import layout, liveness
 from shmcoll.shm.atomics import atomic_add, atomic_cas, read_word, write_word
+from shmcoll.shm.layout import Layout
 from shmcoll.shm.segment import Segment, segment_name
 
 
@@ -50,8 +50,8 @@ class ArenaHandle:
             raise ValueError(f"malformed shmcoll handle {text!r}") from None
 
     @property
-    def layout(self) -> L.Layout:
-        return L.Layout(self.world_size, self.nslots, self.slot_bytes)
+    def layout(self) -> Layout:
+        return Layout(self.world_size, self.nslots, self.slot_bytes)
 
 
 def _token_word(token: str) -> int:
@@ -84,20 +84,20 @@ class Arena:
     # --- lifetime -----------------------------------------------------------------------------
     @classmethod
     def create(cls, world_size: int, nslots: int, slot_bytes: int, token: str, what: str = "arena") -> Arena:
-        lay = L.Layout(world_size, nslots, slot_bytes)
+        lay = layout.Layout(world_size, nslots, slot_bytes)
         name = segment_name(token, what)
         purpose = f"the arena for {world_size} ranks ({nslots} slots of {slot_bytes} bytes per ring)"
         seg = Segment.create(name, lay.total_bytes, what_for=purpose)
         handle = ArenaHandle(name, lay.total_bytes, world_size, nslots, slot_bytes, token)
         ctrl = seg.array(np.int64)
         # Nobody else can see the segment yet: plain stores are fine, then publish MAGIC last.
-        ctrl[L.H_VERSION] = L.VERSION
-        ctrl[L.H_TOKEN] = _token_word(token)
-        ctrl[L.H_WORLD_SIZE] = world_size
-        ctrl[L.H_NSLOTS] = nslots
-        ctrl[L.H_SLOT_BYTES] = slot_bytes
-        ctrl[L.H_TOTAL] = lay.total_bytes
-        write_word(ctrl, L.H_MAGIC, L.MAGIC)
+        ctrl[layout.H_VERSION] = layout.VERSION
+        ctrl[layout.H_TOKEN] = _token_word(token)
+        ctrl[layout.H_WORLD_SIZE] = world_size
+        ctrl[layout.H_NSLOTS] = nslots
+        ctrl[layout.H_SLOT_BYTES] = slot_bytes
+        ctrl[layout.H_TOTAL] = lay.total_bytes
+        write_word(ctrl, layout.H_MAGIC, layout.MAGIC)
         return cls(seg, handle)
 
     @classmethod
@@ -106,12 +106,12 @@ class Arena:
         try:
             ctrl = seg.array(np.int64)
             expected = {
-                "magic": (L.H_MAGIC, L.MAGIC),
-                "version": (L.H_VERSION, L.VERSION),
-                "job token": (L.H_TOKEN, _token_word(handle.token)),
-                "world_size": (L.H_WORLD_SIZE, handle.world_size),
-                "nslots": (L.H_NSLOTS, handle.nslots),
-                "slot_bytes": (L.H_SLOT_BYTES, handle.slot_bytes),
+                "magic": (layout.H_MAGIC, layout.MAGIC),
+                "version": (layout.H_VERSION, layout.VERSION),
+                "job token": (layout.H_TOKEN, _token_word(handle.token)),
+                "world_size": (layout.H_WORLD_SIZE, handle.world_size),
+                "nslots": (layout.H_NSLOTS, handle.nslots),
+                "slot_bytes": (layout.H_SLOT_BYTES, handle.slot_bytes),
             }
             for what, (word, value) in expected.items():
                 found = int(read_word(ctrl, word))
@@ -131,32 +131,32 @@ class Arena:
         if not 0 <= rank < self.layout.world_size:
             raise ValueError(f"rank {rank} out of range for world_size {self.layout.world_size}")
         pid = os.getpid()
-        pid_word = self.layout.rank_word(rank, L.R_PID)
+        pid_word = self.layout.rank_word(rank, layout.R_PID)
         taken = int(atomic_cas(self.ctrl, pid_word, 0, pid))
         if taken != 0 and taken != pid:
             raise ShmcollError(f"rank {rank} is already connected (by pid {taken})")
         # STATE before START: a reader takes the record as filled in once START is set.
-        write_word(self.ctrl, self.layout.rank_word(rank, L.R_STATE), L.STATE_IDLE)
+        write_word(self.ctrl, self.layout.rank_word(rank, layout.R_STATE), layout.STATE_IDLE)
         stat = proc_stat(pid)
-        write_word(self.ctrl, self.layout.rank_word(rank, L.R_START), stat[1] + 1 if stat else 1)
-        write_word(self.ctrl, self.layout.rank_word(rank, L.R_WAIT_PEER), -1)
+        write_word(self.ctrl, self.layout.rank_word(rank, layout.R_START), stat[1] + 1 if stat else 1)
+        write_word(self.ctrl, self.layout.rank_word(rank, layout.R_WAIT_PEER), -1)
         base = self.ctrl.__array_interface__["data"][0]
         self._held = liveness.hold(base + 8 * self.layout.live_word(rank), self.ctrl)
-        attached = int(atomic_add(self.ctrl, L.A_ATTACHED, 1)) + 1
+        attached = int(atomic_add(self.ctrl, layout.A_ATTACHED, 1)) + 1
         if attached >= self.layout.world_size:
             self.segment.unlink()
 
     def agree_group_size(self, value: int) -> int:
         """Propose ``value`` (>= 1) as the ranks per group of hierarchical plans; returns the agreed
         one: the first proposal wins (a compare-and-swap from 0), so every rank sees the same."""
-        found = int(atomic_cas(self.ctrl, L.A_GROUP_SIZE, 0, value))
+        found = int(atomic_cas(self.ctrl, layout.A_GROUP_SIZE, 0, value))
         return value if found == 0 else found
 
     def deregister(self, rank: int, failed: bool = False) -> None:
-        state = L.STATE_FAILED if failed else L.STATE_EXITED
-        write_word(self.ctrl, self.layout.rank_word(rank, L.R_STATE), state)
+        state = layout.STATE_FAILED if failed else layout.STATE_EXITED
+        write_word(self.ctrl, self.layout.rank_word(rank, layout.R_STATE), state)
         self._release_liveness()
-        atomic_add(self.ctrl, L.A_DETACHED, 1)
+        atomic_add(self.ctrl, layout.A_DETACHED, 1)
 
     def _release_liveness(self) -> None:
         if self._held is not None:
@@ -185,7 +185,7 @@ class Arena:
         return self.word(self.layout.rank_word(rank, field))
 
     def attached(self) -> int:
-        return self.word(L.A_ATTACHED)
+        return self.word(layout.A_ATTACHED)
 
     def liveness(self, rank: int) -> str:
         """What ``rank``'s liveness mutex says: ``"free"``, ``"held"`` or ``"died"``."""
@@ -193,14 +193,14 @@ class Arena:
 
     def peer_status(self, rank: int) -> str:
         """``"absent"`` (not attached yet), ``"alive"``, ``"exited"``, ``"failed"`` or ``"dead"``."""
-        pid = self.rank_field(rank, L.R_PID)
-        start = self.rank_field(rank, L.R_START)
+        pid = self.rank_field(rank, layout.R_PID)
+        start = self.rank_field(rank, layout.R_START)
         if pid == 0 or start == 0:
             return "absent"  # not attached yet, or between claiming the record and filling it
-        state = self.rank_field(rank, L.R_STATE)
-        if state == L.STATE_EXITED:
+        state = self.rank_field(rank, layout.R_STATE)
+        if state == layout.STATE_EXITED:
             return "exited"
-        if state == L.STATE_FAILED:
+        if state == layout.STATE_FAILED:
             return "failed"
         if self.liveness(rank) == "died":
             return "dead"  # the kernel says so, in whatever PID namespace the rank ran
@@ -211,12 +211,12 @@ class Arena:
 
     def abort_info(self) -> dict[str, int]:
         return {
-            "code": self.word(L.AB_CODE),
-            "origin": self.word(L.AB_ORIGIN),
-            "peer": self.word(L.AB_PEER),
-            "seq": self.word(L.AB_SEQ),
-            "sig": self.word(L.AB_SIG),
-            "step": self.word(L.AB_STEP),
-            "detail": self.word(L.AB_DETAIL),
-            "own_seq": self.word(L.AB_OWN_SEQ),
+            "code": self.word(layout.AB_CODE),
+            "origin": self.word(layout.AB_ORIGIN),
+            "peer": self.word(layout.AB_PEER),
+            "seq": self.word(layout.AB_SEQ),
+            "sig": self.word(layout.AB_SIG),
+            "step": self.word(layout.AB_STEP),
+            "detail": self.word(layout.AB_DETAIL),
+            "own_seq": self.word(layout.AB_OWN_SEQ),
         }

@@ -23,8 +23,7 @@ import time
 import numpy as np
 import psutil
 
-from shmcoll.shm import layout as L
-from shmcoll.shm import liveness
+from shmcoll.shm import layout, liveness
 from shmcoll.shm.segment import SHM_DIR, list_segments, parse_name, pid_namespace, unlink_path
 
 
@@ -55,26 +54,29 @@ def _arena_evidence(path: str) -> str | None:
         return None
     try:
         size = os.fstat(fd).st_size
-        if size < L.LINE * 3:
+        if size < layout.LINE * 3:
             return None
         with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) as mm:
             words = np.frombuffer(mm, np.int64)
             try:
-                if int(words[L.H_MAGIC]) != L.MAGIC or int(words[L.H_VERSION]) != L.VERSION:
+                if int(words[layout.H_MAGIC]) != layout.MAGIC or int(words[layout.H_VERSION]) != layout.VERSION:
                     return None
-                n = int(words[L.H_WORLD_SIZE])
-                if not 1 <= n <= 1 << 16 or int(words[L.H_TOTAL]) != size:
+                n = int(words[layout.H_WORLD_SIZE])
+                if not 1 <= n <= 1 << 16 or int(words[layout.H_TOTAL]) != size:
                     return None
-                lay = L.Layout(n, int(words[L.H_NSLOTS]), int(words[L.H_SLOT_BYTES]))
+                lay = layout.Layout(n, int(words[layout.H_NSLOTS]), int(words[layout.H_SLOT_BYTES]))
                 attached = gone = 0
                 for rank in range(n):
-                    if int(words[lay.rank_word(rank, L.R_PID)]) == 0:
+                    if int(words[lay.rank_word(rank, layout.R_PID)]) == 0:
                         continue
                     attached += 1
                     lock = liveness.state(int(words[lay.live_word(rank)]) & 0xFFFFFFFF)
                     if lock == "held":
                         return "alive"
-                    closed = int(words[lay.rank_word(rank, L.R_STATE)]) in (L.STATE_EXITED, L.STATE_FAILED)
+                    closed = int(words[lay.rank_word(rank, layout.R_STATE)]) in (
+                        layout.STATE_EXITED,
+                        layout.STATE_FAILED,
+                    )
                     if lock == "died" or closed:
                         gone += 1
                 return "dead" if attached and gone == attached else None

@@ -250,12 +250,12 @@ def test_a_peer_that_left_because_of_an_abort_is_never_blamed() -> None:
     """The race behind the wrong blame, made deterministic: rank 1 aborted (it found rank 2 dead)
     and left; rank 0, waiting for rank 1, must report the abort's cause, not rank 1."""
     from shmcoll.engine import cpu as engine
-    from shmcoll.shm import layout as L
+    from shmcoll.shm import layout
 
     with shmcoll.Group(3) as group:
         comms = [group.connect(r) for r in range(3)]
         try:
-            engine.raise_abort(comms[1]._ctrl, comms[1]._state, L.ABORT_PEER_LOST, 2, 1, 0, 0, 0, 0)
+            engine.raise_abort(comms[1]._ctrl, comms[1]._state, layout.ABORT_PEER_LOST, 2, 1, 0, 0, 0, 0)
             comms[1]._broken = "found rank 2 lost"
             comms[1].close()
             comms[0]._state[engine.S_WAIT_PEER] = 1

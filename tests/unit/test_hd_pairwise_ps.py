@@ -14,8 +14,8 @@ import pytest
 
 from shmcoll.algos import halving_doubling, pairwise, registry
 from shmcoll.plan.builder import Context
-from shmcoll.plan.ir import Buf, Plan, SegmentedPlan, Step
-from shmcoll.plan.passes import channel_skeleton, fuse, segment
+from shmcoll.plan.ir import Buf, CallPlan, Plan, Step
+from shmcoll.plan.passes import channel_skeleton, fuse, plan_call
 from shmcoll.plan.verify import PlanError, verify, verify_plan
 
 POW2 = (2, 4, 8, 16)
@@ -24,7 +24,7 @@ BIG_SLOT = 1 << 20  # one piece for every count used here
 
 
 def _one_piece(collective: str, name: str, world_size: int, count: int, **kw) -> Plan:  # type: ignore[no-untyped-def]
-    plan = segment(registry.get(collective, name), world_size, count, BIG_SLOT, **kw)
+    plan = plan_call(registry.get(collective, name), world_size, count, BIG_SLOT, **kw)
     assert plan.body is None
     return plan.tail
 
@@ -128,7 +128,7 @@ def test_ps_rounds(n: int) -> None:
 def test_single_rank_has_no_messages() -> None:
     for a in registry.algorithms():
         if a.name in ("halving_doubling", "pairwise", "ps"):
-            plan = segment(a, 1, 5, 4)
+            plan = plan_call(a, 1, 5, 4)
             assert channel_skeleton(plan.tail) == [[]], a.collective
 
 
@@ -246,7 +246,7 @@ def test_no_message_exceeds_a_slot(collective: str, name: str) -> None:
     for n in (1, 2, 3, 5, 8, 11):
         for slot in (1, 2, 3, 7):
             for count in (0, 1, slot, 2 * slot + 1, 5 * slot + 3):
-                plan = segment(alg, n, count, slot)
+                plan = plan_call(alg, n, count, slot)
                 for piece in (plan.body, plan.tail):
                     if piece is None:
                         continue
@@ -372,7 +372,7 @@ def test_verifier_rejects_unparked_in_place_pairwise(n: int) -> None:
     for inplace in (False, True):
         ctx = Context(kind="alltoall", algorithm="pairwise", world_size=n, count=2, inplace=inplace)
         _pairwise_unparked(ctx)
-        seg = SegmentedPlan(body=None, tail=fuse(ctx.plan()), reps=0, piece=2)
+        seg = CallPlan(body=None, tail=fuse(ctx.plan()), reps=0, piece=2)
         if inplace:
             with pytest.raises(PlanError, match="expected"):
                 verify(seg, world_size=n, count=2, inplace=True)

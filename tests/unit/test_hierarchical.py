@@ -11,7 +11,7 @@ from shmcoll import sim, topology
 from shmcoll.algos import registry, select
 from shmcoll.algos.hierarchical import groups
 from shmcoll.algos.registry import Query
-from shmcoll.plan.passes import channel_skeleton, segment
+from shmcoll.plan.passes import channel_skeleton, plan_call
 from shmcoll.plan.verify import verify
 
 KINDS = ("allreduce", "broadcast", "reduce")
@@ -29,7 +29,7 @@ def _verify_all(kind: str, n: int, group_size: int | None, shapes) -> None:  # t
             for inplace in (False, True):
                 # Plans for one slot (fenced) must run on any number; plans for two on two.
                 for built_for in (1, 2):
-                    plan = segment(alg, n, count, slot, root=root, inplace=inplace, options=options, nslots=built_for)
+                    plan = plan_call(alg, n, count, slot, root=root, inplace=inplace, options=options, nslots=built_for)
                     for nslots in range(built_for, 3):
                         verify(plan, world_size=n, count=count, root=root, inplace=inplace, nslots=nslots)
 
@@ -56,7 +56,7 @@ def test_no_step_moves_more_than_one_slot(kind: str) -> None:
     for n, g in ((3, 2), (5, 2), (7, 3), (8, 4), (8, 3)):
         for slot in (1, 3, 7):
             for count in (0, 5, 4 * n * slot + 3):
-                plan = segment(alg, n, count, slot, root=n - 1, options={"group_size": g})
+                plan = plan_call(alg, n, count, slot, root=n - 1, options={"group_size": g})
                 for part in (plan.body, plan.tail):
                     for program in part.programs if part else []:
                         for s in program:
@@ -70,7 +70,7 @@ def test_in_place_never_changes_messages(kind: str) -> None:
     for n, g in ((5, 2), (7, 3), (8, 4)):
         for root in range(n):
             a, b = (
-                segment(alg, n, 11, 2, root=root, inplace=inplace, options={"group_size": g})
+                plan_call(alg, n, 11, 2, root=root, inplace=inplace, options={"group_size": g})
                 for inplace in (False, True)
             )
             for x, y in ((a.tail, b.tail), (a.body, b.body)):
@@ -95,7 +95,7 @@ def test_allreduce_phases_n8_g4() -> None:
     """Reduce-scatter within each group of 4, then each shard (count/4) between the two ranks
     holding it (r and r + 4) only, then allgather within the group."""
     n, g, count = 8, 4, 64
-    plan = segment(registry.get("allreduce", "hierarchical"), n, count, 1024, options={"group_size": g})
+    plan = plan_call(registry.get("allreduce", "hierarchical"), n, count, 1024, options={"group_size": g})
     assert plan.body is None
     intra, inter = _traffic(plan.tail, g)
     assert set(inter) == {(r, (r + 4) % 8) for r in range(n)}
@@ -114,9 +114,9 @@ def test_allreduce_phases_n8_g4() -> None:
 def test_one_group_degenerates() -> None:
     """No group size, or one at least n: one group, never an inter-group message."""
     alg = registry.get("allreduce", "hierarchical")
-    a = segment(alg, 6, 30, 4)
-    b = segment(alg, 6, 30, 4, options={"group_size": 6})
-    c = segment(alg, 6, 30, 4, options={"group_size": 9})
+    a = plan_call(alg, 6, 30, 4)
+    b = plan_call(alg, 6, 30, 4, options={"group_size": 6})
+    c = plan_call(alg, 6, 30, 4, options={"group_size": 9})
     assert channel_skeleton(a.tail) == channel_skeleton(b.tail) == channel_skeleton(c.tail)
     assert groups(6, None) == groups(6, 9) == [list(range(6))]
     assert groups(7, 3) == [[0, 1, 2], [3, 4, 5], [6]]
@@ -128,7 +128,7 @@ def test_broadcast_and_reduce_cross_groups_only_between_leaders() -> None:
     n, g = 9, 3
     for kind in ("broadcast", "reduce"):
         for root in range(n):
-            plan = segment(registry.get(kind, "hierarchical"), n, 8, 1024, root=root, options={"group_size": g})
+            plan = plan_call(registry.get(kind, "hierarchical"), n, 8, 1024, root=root, options={"group_size": g})
             _, inter = _traffic(plan.tail, g)
             leaders = {root} | {m[0] for m in groups(n, g) if root not in m}
             assert {r for pair in inter for r in pair} <= leaders, (kind, root, inter)

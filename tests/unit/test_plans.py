@@ -9,7 +9,7 @@ import pytest
 from shmcoll.algos import registry
 from shmcoll.plan import ir
 from shmcoll.plan.ir import Buf, Region, Step
-from shmcoll.plan.passes import channel_skeleton, fuse, segment
+from shmcoll.plan.passes import channel_skeleton, fuse, plan_call
 from shmcoll.plan.verify import PlanError, verify
 
 ROOTED = {"broadcast", "scatter", "gather", "reduce", "p2p"}
@@ -33,7 +33,7 @@ def test_verifier_accepts_every_plan(collective: str, name: str) -> None:
                 continue
             for count, slot in ((0, 4), (1, 4), (n + 1, 4), (13, 3), (3 * n + 2, 2)):
                 for inplace in (False, True):
-                    plan = segment(alg, n, count, slot, root=root, inplace=inplace, peer=peer)
+                    plan = plan_call(alg, n, count, slot, root=root, inplace=inplace, peer=peer)
                     for nslots in (1, 2):
                         verify(plan, world_size=n, count=count, root=root, inplace=inplace, nslots=nslots, peer=peer)
 
@@ -49,7 +49,7 @@ def test_plans_for_two_slots_fuse_freely_and_verify(collective: str, name: str) 
                 continue
             for count, slot in ((n + 1, 4), (3 * n + 2, 2)):
                 for inplace in (False, True):
-                    plan = segment(alg, n, count, slot, root=root, inplace=inplace, peer=peer, nslots=2)
+                    plan = plan_call(alg, n, count, slot, root=root, inplace=inplace, peer=peer, nslots=2)
                     verify(plan, world_size=n, count=count, root=root, inplace=inplace, nslots=2, peer=peer)
 
 
@@ -59,7 +59,7 @@ def test_no_step_moves_more_than_one_slot(collective: str, name: str) -> None:
     for n in (1, 2, 3, 5, 8):
         for slot in (1, 3, 7):
             for count in (0, 5, 4 * n * slot + 3):
-                plan = segment(alg, n, count, slot, root=n - 1, peer=0 if n > 1 else 0)
+                plan = plan_call(alg, n, count, slot, root=n - 1, peer=0 if n > 1 else 0)
                 for part in (plan.body, plan.tail):
                     for r, program in enumerate(part.programs if part else []):
                         for s in program:
@@ -75,15 +75,15 @@ def test_in_place_never_changes_messages(collective: str, name: str) -> None:
         for root, peer in _cases(collective, n):
             if collective == "p2p" and peer == root:
                 continue
-            a = segment(alg, n, 11, 4, root=root, inplace=False, peer=peer)
-            b = segment(alg, n, 11, 4, root=root, inplace=True, peer=peer)
+            a = plan_call(alg, n, 11, 4, root=root, inplace=False, peer=peer)
+            b = plan_call(alg, n, 11, 4, root=root, inplace=True, peer=peer)
             assert channel_skeleton(a.tail) == channel_skeleton(b.tail)
             if a.body is not None:
                 assert b.body is not None and channel_skeleton(a.body) == channel_skeleton(b.body)
 
 
 def _direct(collective: str, n: int = 3, count: int = 4, **kw):  # type: ignore[no-untyped-def]
-    return segment(registry.get(collective, "direct"), n, count, 100, **kw)
+    return plan_call(registry.get(collective, "direct"), n, count, 100, **kw)
 
 
 def _mutate(plan, rank: int, index: int, **changes):  # type: ignore[no-untyped-def]
@@ -145,7 +145,7 @@ def test_verifier_catches_leftover_message() -> None:
 
 
 def test_barrier_must_hear_from_everyone() -> None:
-    plan = segment(registry.get("barrier", "direct"), 5, 0, 1)
+    plan = plan_call(registry.get("barrier", "direct"), 5, 0, 1)
     programs = [list(p) for p in plan.tail.programs]
     # Drop the last round: ranks then leave having heard from only half the others.
     for r in range(5):
@@ -171,11 +171,11 @@ def test_fuse_drops_dead_scratch_store() -> None:
 
 def test_segmenting_keeps_plans_small() -> None:
     alg = registry.get("allreduce", "direct")
-    small = segment(alg, 4, 10, 16)
-    huge = segment(alg, 4, 10**9, 16)
+    small = plan_call(alg, 4, 10, 16)
+    huge = plan_call(alg, 4, 10**9, 16)
     assert small.body is None and small.reps == 0
     assert huge.body is not None and huge.reps * huge.piece + huge.tail.count == 10**9
-    assert len(huge.body.programs[0]) == len(segment(alg, 4, 16, 16).tail.programs[0])
+    assert len(huge.body.programs[0]) == len(plan_call(alg, 4, 16, 16).tail.programs[0])
 
 
 def test_signature_round_trip() -> None:
@@ -199,7 +199,7 @@ def test_step_text_is_readable() -> None:
 
 def _drop_sync(collective: str, which: int):  # type: ignore[no-untyped-def]
     """A zerocopy plan with its ``which``-th sync (a dissemination round set) removed."""
-    plan = segment(registry.get(collective, "zerocopy"), 2, 6, 100)
+    plan = plan_call(registry.get(collective, "zerocopy"), 2, 6, 100)
     programs = []
     for program in plan.tail.programs:
         syncs = [i for i, s in enumerate(program) if s.count == 0]  # 2 ranks: one send+recv per sync

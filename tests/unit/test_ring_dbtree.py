@@ -10,8 +10,8 @@ import pytest
 from shmcoll.algos import dbtree, registry
 from shmcoll.algos.dbtree import NO_PARENT, Tree, double_tree, in_order_tree
 from shmcoll.plan.builder import Context
-from shmcoll.plan.ir import Buf, SegmentedPlan
-from shmcoll.plan.passes import build_piece, channel_skeleton, segment
+from shmcoll.plan.ir import Buf, CallPlan
+from shmcoll.plan.passes import build_piece, channel_skeleton, plan_call
 from shmcoll.plan.verify import PlanError, verify
 
 MINE = [
@@ -117,13 +117,13 @@ def test_one_slot_needs_the_held_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without them, a ring of fused steps deadlocks on one slot per ring (and works on two)."""
     alg = registry.get("allreduce", "ring")
     monkeypatch.setattr(Context, "no_fuse", lambda self, rank: None)
-    plan = segment(alg, 4, 40, 2)
+    plan = plan_call(alg, 4, 40, 2)
     verify(plan, world_size=4, count=40, nslots=2)
     with pytest.raises(PlanError, match="deadlock"):
         verify(plan, world_size=4, count=40, nslots=1)
 
 
-def _broken(plan: SegmentedPlan, rank: int, pick, **changes) -> SegmentedPlan:  # type: ignore[no-untyped-def]
+def _broken(plan: CallPlan, rank: int, pick, **changes) -> CallPlan:  # type: ignore[no-untyped-def]
     programs = [list(p) for p in plan.tail.programs]
     index = next(i for i, s in enumerate(programs[rank]) if pick(s))
     programs[rank][index] = dataclasses.replace(programs[rank][index], **changes)
@@ -132,7 +132,7 @@ def _broken(plan: SegmentedPlan, rank: int, pick, **changes) -> SegmentedPlan:  
 
 def test_verifier_rejects_broken_ring() -> None:
     n, count = 5, 10
-    plan = segment(registry.get("allreduce", "ring"), n, count, 100)
+    plan = plan_call(registry.get("allreduce", "ring"), n, count, 100)
     verify(plan, world_size=n, count=count)
     # The finishing reduction without AVG's division.
     with pytest.raises(PlanError, match="AVG"):
@@ -240,7 +240,7 @@ def test_dbtree_rooted_trees_hang_from_the_root(n: int) -> None:
 
 def test_verifier_rejects_broken_dbtree() -> None:
     n, count = 6, 8
-    plan = segment(registry.get("allreduce", "dbtree"), n, count, 100)
+    plan = plan_call(registry.get("allreduce", "dbtree"), n, count, 100)
     verify(plan, world_size=n, count=count)
     root_a = dbtree.double_tree(n)[0].root
     with pytest.raises(PlanError, match="AVG"):
@@ -272,7 +272,7 @@ def test_reduce_leaves_non_roots_output_alone(name: str) -> None:
     for n in range(1, 12):
         for root in range(n):
             for inplace in (False, True):
-                plan = segment(registry.get("reduce", name), n, 23, 4, root=root, inplace=inplace)
+                plan = plan_call(registry.get("reduce", name), n, 23, 4, root=root, inplace=inplace)
                 for piece in (plan.body, plan.tail):
                     if piece is None:
                         continue
@@ -290,7 +290,7 @@ def test_no_message_exceeds_a_slot(collective: str, name: str) -> None:
     for n in (1, 2, 3, 5, 8, 13):
         for slot in (1, 3, 8):
             for count in (0, 1, slot * n - 1, slot * n * 2 + 1, 97):
-                plan = segment(alg, n, count, slot)
+                plan = plan_call(alg, n, count, slot)
                 for piece in (plan.body, plan.tail):
                     if piece is not None:
                         moved = [s.count for p in piece.programs for s in p if s.recv is not None or s.send is not None]
@@ -306,6 +306,6 @@ def test_larger_worlds_verify(collective: str, name: str) -> None:
         for root in roots:
             for count, slot in ((0, 4), (n + 3, 2), (3 * n + 1, 5)):
                 for inplace in (False, True):
-                    plan = segment(alg, n, count, slot, root=root, inplace=inplace)
+                    plan = plan_call(alg, n, count, slot, root=root, inplace=inplace)
                     for nslots in (1, 2):
                         verify(plan, world_size=n, count=count, root=root, inplace=inplace, nslots=nslots)

@@ -14,7 +14,7 @@ from shmcoll.algos import registry
 from shmcoll.algos.registry import Algorithm, Query
 from shmcoll.plan.builder import Context, accumulate_in_rank_order, split
 from shmcoll.plan.ir import Buf
-from shmcoll.plan.passes import segment
+from shmcoll.plan.passes import plan_call
 from shmcoll.plan.verify import verify
 
 KB, MB, GB = 1 << 10, 1 << 20, 1 << 30
@@ -187,7 +187,7 @@ def test_test_only_algorithms_are_valid_plans(textbook) -> None:  # type: ignore
         for n in range(1, 9):
             for count, slot in ((0, 4), (1, 4), (n + 1, 4), (3 * n + 2, 2)):
                 for inplace in (False, True):
-                    plan = segment(alg, n, count, slot, inplace=inplace)
+                    plan = plan_call(alg, n, count, slot, inplace=inplace)
                     verify(plan, world_size=n, count=count, inplace=inplace, nslots=2)
 
 
@@ -195,7 +195,7 @@ def test_test_only_algorithms_are_valid_plans(textbook) -> None:  # type: ignore
 def test_point_to_point_costs_alpha_plus_both_copies() -> None:
     """One message: the sender is busy b/beta, it arrives alpha later, the receiver copies b/beta."""
     alpha, beta, nbytes = 3e-6, 2e9, 4000
-    plan = segment(registry.get("p2p", "direct"), 2, nbytes, 1 << 20, root=0, peer=1)
+    plan = plan_call(registry.get("p2p", "direct"), 2, nbytes, 1 << 20, root=0, peer=1)
     got = sim.simulate(plan, 1, sim.CostModel(alpha, beta)).time_s
     assert got == pytest.approx(alpha + 2 * nbytes / beta)
 
@@ -203,7 +203,7 @@ def test_point_to_point_costs_alpha_plus_both_copies() -> None:
 def test_bounded_slots_throttle_a_latency_bound_stream() -> None:
     """With zero copy cost, a channel of k slots passes k messages per latency."""
     pieces, alpha = 40, 1e-6
-    plan = segment(registry.get("p2p", "direct"), 2, pieces, 1, root=0, peer=1)
+    plan = plan_call(registry.get("p2p", "direct"), 2, pieces, 1, root=0, peer=1)
     for nslots in (1, 2, 4):
         t = sim.simulate(plan, 1, sim.CostModel(alpha, math.inf, nslots=nslots)).time_s
         assert t == pytest.approx(alpha * math.ceil(pieces / nslots), rel=1e-9)
@@ -215,7 +215,7 @@ def test_extrapolated_time_equals_the_full_simulation(collective: str) -> None:
     costs = MODEL.costs()
     for n in (2, 3, 5):
         for reps in (9, 17, 41, 97):
-            plan = segment(alg, n, reps * 5 + 2, 5)
+            plan = plan_call(alg, n, reps * 5 + 2, 5)
             assert plan.reps == reps
             full, _ = sim.run_compiled(sim.compile_plan(plan.body, 4), sim.compile_plan(plan.tail, 4), reps, costs)
             got = sim.simulate(plan, 4, costs)
@@ -228,7 +228,7 @@ def test_extrapolation_on_pipelined_ring(textbook) -> None:  # type: ignore[no-u
     for nslots in (2, 4):
         costs = sim.CostModel(2e-6, 1e9, nslots=nslots).costs()
         for n in (3, 6):
-            plan = segment(alg, n, 40 * n * 3 + 7, 3)
+            plan = plan_call(alg, n, 40 * n * 3 + 7, 3)
             full, _ = sim.run_compiled(sim.compile_plan(plan.body, 4), sim.compile_plan(plan.tail, 4), plan.reps, costs)
             assert sim.simulate(plan, 4, costs).time_s == pytest.approx(full, rel=1e-12)
 

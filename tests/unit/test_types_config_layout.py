@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from shmcoll import config
-from shmcoll.shm import layout as L
+from shmcoll.shm import layout
 from shmcoll.types import DTYPES, ReduceOp, engine_types, supports, valid_ops
 
 
@@ -67,23 +67,23 @@ def test_config_from_environment() -> None:
 
 
 def test_layout_lines_never_shared() -> None:
-    lay = L.Layout(world_size=5, nslots=3, slot_bytes=4096)
+    lay = layout.Layout(world_size=5, nslots=3, slot_bytes=4096)
     assert lay.nchannels == 20
     lines = set()
     for ch in range(lay.nchannels):
-        for field in (L.C_HEAD, L.C_TAIL):
-            line = lay.channel_word(ch, field) // L.WORDS_PER_LINE
+        for field in (layout.C_HEAD, layout.C_TAIL):
+            line = lay.channel_word(ch, field) // layout.WORDS_PER_LINE
             assert line not in lines
             lines.add(line)
     for r in range(5):
-        assert lay.rank_word(r, 0) % L.WORDS_PER_LINE == 0
-    assert lay.slots_base % L.LINE == 0 and lay.slot_stride % L.LINE == 0
+        assert lay.rank_word(r, 0) % layout.WORDS_PER_LINE == 0
+    assert lay.slots_base % layout.LINE == 0 and lay.slot_stride % layout.LINE == 0
     # Every payload is aligned for the widest element (complex128).
-    assert (lay.slot_offset(7, 2) + L.SLOT_HEADER_BYTES) % 16 == 0
+    assert (lay.slot_offset(7, 2) + layout.SLOT_HEADER_BYTES) % 16 == 0
 
 
 def test_channels_are_a_bijection() -> None:
-    lay = L.Layout(world_size=6, nslots=1, slot_bytes=64)
+    lay = layout.Layout(world_size=6, nslots=1, slot_bytes=64)
     seen = {lay.channel(s, d) for s in range(6) for d in range(6) if s != d}
     assert seen == set(range(lay.nchannels))
     with pytest.raises(ValueError):
@@ -92,6 +92,6 @@ def test_channels_are_a_bijection() -> None:
 
 def test_footprint_formula() -> None:
     n, nslots, slot = 8, 4, 64 << 10
-    expected = 192 + 192 * n + 128 * n * (n - 1) + n * (n - 1) * nslots * L.round_up(32 + slot, 64)
-    assert L.footprint_bytes(n, nslots, slot) == expected
-    assert L.footprint_bytes(1, 4, slot) == 192 + 192
+    expected = 192 + 192 * n + 128 * n * (n - 1) + n * (n - 1) * nslots * layout.round_up(32 + slot, 64)
+    assert layout.footprint_bytes(n, nslots, slot) == expected
+    assert layout.footprint_bytes(1, 4, slot) == 192 + 192
