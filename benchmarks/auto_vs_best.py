@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from shmcoll import bench, collectives, config, tune
+from shmcoll import bench, collectives, config, tune, units
 from shmcoll.algos import select
 from shmcoll.algos.registry import Query
 from shmcoll.collectives import COLLECTIVES
@@ -88,8 +88,8 @@ def main() -> int:
                 collectives=collectives,
                 algorithms=("all",),
                 nprocs=n,
-                min_bytes=config.parse_size(args.min_bytes),
-                max_bytes=config.parse_size(args.max_bytes),
+                min_bytes=units.parse_size(args.min_bytes),
+                max_bytes=units.parse_size(args.max_bytes),
                 step_factor=args.step_factor,
                 iters=args.iters,
                 warmup=args.warmup,

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import sys
 import time
 from collections.abc import Sequence
@@ -35,7 +34,7 @@ from typing import Any
 import numpy as np
 
 import shmcoll
-from shmcoll.config import format_size, parse_size
+from shmcoll.units import format_size, parse_size
 
 DEFAULT_SIZES = "1M,16M,64M,256M"
 SIMULATOR_MAX_BYTES = 64 << 10
@@ -206,7 +205,7 @@ def _allreduce_rank(comm: Any, sizes: list[int], dtype: str, iters: int, warmup:
     if kernels.SIMULATOR:
         # The simulator's device arrays have no __cuda_array_interface__, so the Communicator
         # would not recognise them: call the device layer directly.
-        allreduce = functools.partial(device.call, comm, "allreduce")
+        allreduce = comm.allreduce
     dt = np.dtype(dtype)
     out = []
     for size in sizes:

@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 import shmcoll
-from shmcoll.config import format_size, parse_size
+from shmcoll.units import format_size, parse_size
 
 
 def _case_fn(comm, case: str, x: np.ndarray, y: np.ndarray):  # type: ignore[no-untyped-def]

@@ -21,6 +21,7 @@ import numba
 import numpy as np
 
 import shmcoll
+from shmcoll.collectives import KIND_CODE
 from shmcoll.engine import cpu as engine
 
 
@@ -41,8 +42,8 @@ def worker(comm, calls: int, repeats: int) -> dict[str, float]:  # type: ignore[
     y = np.empty_like(x)
     comm.allreduce(x)
     comm.allreduce(x, out=y)
-    call = next(iter(c for k, c in comm._calls.items() if k[0] == "allreduce" and k[5]))
-    arrays = (call.prog, x, x, call.tmp, call.data, comm._ctrl, comm._state)
+    call = next(iter(c for k, c in comm._calls.items() if k[0] == KIND_CODE["allreduce"] and k[5]))
+    arrays = (call.start, x, x)
     _nothing(*arrays)
     parts = {
         "allreduce in place": lambda: comm.allreduce(x),

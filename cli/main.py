@@ -12,7 +12,7 @@ from shmcoll.cli.plan import plan
 from shmcoll.cli.simulate import simulate
 from shmcoll.cli.train import train
 from shmcoll.cli.tune import tune
-from shmcoll.config import format_size, parse_size
+from shmcoll.units import format_size, parse_size
 
 
 class _Size(click.ParamType):

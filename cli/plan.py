@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import click
 
 from shmcoll import collectives
-from shmcoll.config import format_size, parse_size
+from shmcoll.units import format_size, parse_size
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:

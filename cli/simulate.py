@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from shmcoll.config import parse_size
+from shmcoll.units import parse_bandwidth, parse_size, parse_time
 
 
 def _csv(value: str) -> tuple[str, ...]:
@@ -33,12 +33,10 @@ def _sizes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int,
 
 def _parsed(kind: str):  # type: ignore[no-untyped-def]
     def convert(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
-        from shmcoll import sim
-
         if value is None:
             return None
         try:
-            return sim.parse_time(value) if kind == "time" else sim.parse_bandwidth(value)
+            return parse_time(value) if kind == "time" else parse_bandwidth(value)
         except ValueError as exc:
             raise click.BadParameter(str(exc)) from None
 
@@ -97,9 +95,11 @@ def simulate(  # type: ignore[no-untyped-def]
 
     from shmcoll import sim
     from shmcoll.algos import registry
+    from shmcoll.algos.closed_forms import closed_form
+    from shmcoll.plan.cost import EXACT_LIMIT, CostModel
 
     try:
-        model = sim.CostModel(
+        model = CostModel(
             alpha_s=alpha,
             beta_Bps=beta,
             inter_alpha_s=inter_alpha,
@@ -129,11 +129,11 @@ def simulate(  # type: ignore[no-untyped-def]
             itemsize=itemsize,
             slot_bytes=slot,
             root=root,
-            limit=limit or sim.EXACT_LIMIT,
+            limit=limit or EXACT_LIMIT,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    lim = limit or sim.EXACT_LIMIT
+    lim = limit or EXACT_LIMIT
     head = (
         f"{collective}, {dtype}, {model.describe()}, slot {slot_bytes}; "
         f"plans simulated up to {lim} ranks, closed forms above"
@@ -142,7 +142,7 @@ def simulate(  # type: ignore[no-untyped-def]
     click.echo(sim.format_table(rows, notes, markdown=markdown))
     if closed_forms:
         click.echo("")
-        forms = {name: sim.closed_form(collective, name, model.group_size, model.nslots) for name in names_shown(rows)}
+        forms = {name: closed_form(collective, name, model.group_size, model.nslots) for name in names_shown(rows)}
         click.echo(sim.format_closed_forms(forms, markdown=markdown))
     if plot_path:
         sim.plot(rows, plot_path, title=head)

@@ -104,8 +104,8 @@ def mnist(
     held-out accuracy, and the time per step split into compute and communication.
     """
     import shmcoll
-    from shmcoll.config import parse_size
     from shmcoll.train import mnist
+    from shmcoll.units import parse_size
 
     try:
         slot_size = None if slot_bytes is None else parse_size(slot_bytes)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from shmcoll.config import parse_size
+from shmcoll.units import parse_size
 
 
 def _csv(value: str) -> tuple[str, ...]:

@@ -24,7 +24,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,7 +32,7 @@ import numpy as np
 from shmcoll import collectives
 from shmcoll.algos import registry
 from shmcoll.algos.registry import Query
-from shmcoll.collectives import COLLECTIVES
+from shmcoll.collectives import COLLECTIVES, InPlace
 from shmcoll.types import FOLD_UFUNC, ReduceOp, engine_types, supports
 
 BENCH_COLLECTIVES = COLLECTIVES
@@ -93,9 +93,7 @@ def sizes(cfg: BenchConfig, collective: str, world_size: int) -> list[int]:
     """The byte sizes of the sweep: min, min*f, ... up to max; rounded so every rank gets whole
     elements (blocked collectives need a multiple of world_size elements)."""
     itemsize = np.dtype(cfg.dtype).itemsize
-    unit = itemsize * (
-        world_size if collective in ("allgather", "reduce_scatter", "alltoall", "gather", "scatter") else 1
-    )
+    unit = itemsize * (world_size if collectives.get(collective).blocked else 1)
     out: list[int] = []
     size = float(max(cfg.min_bytes, 1))
     while size <= cfg.max_bytes * 1.0000001:
@@ -114,7 +112,12 @@ def algorithms_for(cfg: BenchConfig, collective: str, world_size: int, inplace: 
     for name in cfg.algorithms:
         if name == "all":
             for alg in registry.algorithms(collective):
-                if alg.name == "zerocopy" and inplace and collective in ("allgather", "gather"):
+                if (
+                    alg.name == "zerocopy"
+                    and inplace
+                    and collectives.get(collective).blocks_out
+                    and not collectives.get(collective).blocks_in
+                ):
                     continue  # x = out[rank] sits at a different place on every rank
                 q = Query(
                     collective,
@@ -163,7 +166,14 @@ def _reduced(world_size: int, count: int, dtype: np.dtype, op: ReduceOp, lo: int
 
 
 class _Buffers:
-    """One collective's buffers at one size on this rank, and how to call and check it."""
+    """One collective's buffers at one size on this rank, and how to call and check it.
+
+    Everything follows from the collective's record: a blocked input holds ``world_size``
+    blocks, rank ``r``'s block ``j`` filled with pattern ``r * world_size + j`` (an unblocked
+    input, or a reduction's: pattern ``r``), so every element of every result is known exactly
+    (see :meth:`wrong`). In place is the record's in-place form. One buffer set serves every
+    algorithm of a size (the caller sets :attr:`algorithm` before each run).
+    """
 
     def __init__(
         self,
@@ -177,93 +187,74 @@ class _Buffers:
         registered: bool,
     ) -> None:
         n, r = comm.world_size, comm.rank
-        self.comm, self.collective, self.dtype, self.op, self.root = comm, collective, dtype, op, root
+        c = collectives.get(collective)
+        self.comm, self.coll, self.dtype, self.op, self.root = comm, c, dtype, op, root
         self.inplace = inplace
         self.algorithm = "auto"  # set by the caller before each run: one buffer set serves all algorithms
-        total = nbytes // dtype.itemsize
-        blocked = collective in ("allgather", "reduce_scatter", "alltoall", "gather", "scatter")
-        self.block = total // n if blocked else total
-        self.count = total
+        total = self.count = nbytes // dtype.itemsize
+        b = self.block = total // n if c.blocked else total
         alloc = getattr(comm, "alloc", None) if registered else None
         new = (lambda shape: alloc(shape, dtype)) if alloc is not None else (lambda shape: np.empty(shape, dtype))
-        b = self.block
-        if collective in ("allreduce", "broadcast", "reduce"):
-            self.x = new(total)
-            self.out = self.x if inplace else new(total)
-        elif collective in ("allgather", "gather"):
-            self.out = new((n, b))
-            self.x = self.out[r] if inplace else new(b)
-        elif collective == "reduce_scatter":
-            self.x = new(n * b)
-            self.out = self.x[r * b : (r + 1) * b] if inplace else new(b)
-        elif collective == "alltoall":
-            self.x = new((n, b))
-            self.out = self.x if inplace else new((n, b))
-        elif collective == "scatter":
-            self.x = new((n, b))
-            own = new(b)  # on every rank, root included: comm.alloc is collective
-            self.out = self.x[r] if inplace and r == root else own
+        # Every rank allocates the same buffers in the same order (comm.alloc is collective).
+        # A reduction's blocked input is flat (its result is one block, not a row of blocks).
+        in_shape = ((n * b,) if c.reducing else (n, b)) if c.blocks_in else (b,)
+        out_shape = (n, b) if c.blocks_out else (b,)
+        if c.inplace is InPlace.INPUT_IS_MY_BLOCK:  # x = out[rank]
+            self.out = new(out_shape)
+            self.x = self.out[r] if inplace else new(in_shape)
+        else:
+            self.x = new(in_shape)
+            own = new(out_shape) if not (inplace and c.inplace is InPlace.SAME) else None
+            if inplace and c.inplace is InPlace.SAME:
+                self.out = self.x
+            elif inplace and c.inplace is InPlace.OUTPUT_IS_MY_BLOCK and (not c.input_at_root or r == root):
+                self.out = self.x.reshape(n, b)[r]
+            else:
+                self.out = own
         self.fill()
+
+    def _tag(self, rank: int, block: int | None) -> int:
+        return rank * self.comm.world_size + block if block is not None else rank
 
     def fill(self) -> None:
         n, r, b = self.comm.world_size, self.comm.rank, self.block
-        c = self.collective
-        if c in ("allreduce", "reduce"):
-            self.x[...] = _pattern(r, self.count, self.dtype, self.op)
-        elif c == "broadcast":
-            self.x[...] = _pattern(self.root, self.count, self.dtype, self.op) if r == self.root else 0
-        elif c in ("allgather", "gather"):
-            self.x[...] = _pattern(r, b, self.dtype, self.op)
-        elif c == "reduce_scatter":
-            self.x[...] = _pattern(r, n * b, self.dtype, self.op)
-        elif c == "alltoall":
+        if self.coll.blocks_in and not self.coll.reducing:
+            blocks = self.x.reshape(n, b)
             for j in range(n):
-                self.x[j] = _pattern(r * n + j, b, self.dtype, self.op)
-        elif c == "scatter":
-            for j in range(n):
-                self.x[j] = _pattern(j, b, self.dtype, self.op)
+                blocks[j] = _pattern(self._tag(r, j), b, self.dtype, self.op)
+        else:  # a reduction's input is one pattern per rank, reduced element by element
+            self.x[...] = _pattern(r, self.x.size, self.dtype, self.op).reshape(self.x.shape)
 
     def run(self) -> None:
-        comm, c, kw = self.comm, self.collective, {"algorithm": self.algorithm}
-        if c == "allreduce":
-            comm.allreduce(self.x, self.op, out=None if self.inplace else self.out, **kw)
-        elif c == "broadcast":
-            comm.broadcast(self.x, root=self.root, out=None if self.inplace else self.out, **kw)
-        elif c == "reduce":
-            comm.reduce(self.x, root=self.root, op=self.op, out=self.out if comm.rank == self.root else None, **kw)
-        elif c == "allgather":
-            comm.allgather(self.x, out=self.out, **kw)
-        elif c == "gather":
-            comm.gather(self.x, root=self.root, out=self.out if comm.rank == self.root else None, **kw)
-        elif c == "reduce_scatter":
-            comm.reduce_scatter(self.x, self.op, out=self.out, **kw)
-        elif c == "alltoall":
-            comm.alltoall(self.x, out=self.out, **kw)
-        elif c == "scatter":
-            comm.scatter(self.x if comm.rank == self.root else None, root=self.root, out=self.out, **kw)
+        c, comm, r = self.coll, self.comm, self.comm.rank
+        kw: dict[str, Any] = {"algorithm": self.algorithm}
+        if c.rooted:
+            kw["root"] = self.root
+        if c.reducing:
+            kw["op"] = self.op
+        if c.result_at_root and r != self.root:
+            kw["out"] = None
+        else:
+            kw["out"] = None if (self.inplace and c.out_none_in_place) else self.out
+        x = None if (c.input_at_root and r != self.root) else self.x
+        getattr(comm, c.name)(x, **kw)
 
     def wrong(self, corrupt: bool) -> int:
         """Run once on fresh inputs and count the elements that differ from the exact answer."""
         self.fill()
         self.run()
-        n, r, b = self.comm.world_size, self.comm.rank, self.block
-        c = self.collective
-        if c in ("allreduce", "reduce"):
-            if c == "reduce" and r != self.root:
-                return 0
-            want = _reduced(n, self.count, self.dtype, self.op, 0, self.count)
-        elif c == "broadcast":
-            want = _pattern(self.root, self.count, self.dtype, self.op)
-        elif c == "reduce_scatter":
-            want = _reduced(n, n * b, self.dtype, self.op, r * b, (r + 1) * b)
-        elif c in ("allgather", "gather"):
-            if c == "gather" and r != self.root:
-                return 0
-            want = np.stack([_pattern(j, b, self.dtype, self.op) for j in range(n)])
-        elif c == "alltoall":
-            want = np.stack([_pattern(j * n + r, b, self.dtype, self.op) for j in range(n)])
-        else:  # scatter
-            want = _pattern(r, b, self.dtype, self.op)
+        c, n, r, b = self.coll, self.comm.world_size, self.comm.rank, self.block
+        if c.result_at_root and r != self.root:
+            return 0
+        if c.reducing:
+            lo, hi = (r * b, (r + 1) * b) if c.blocks_in else (0, b)
+            want = _reduced(n, b * (n if c.blocks_in else 1), self.dtype, self.op, lo, hi)
+        elif c.blocks_out:  # block i of the result is rank i's (block r of its) input
+            want = np.stack(
+                [_pattern(self._tag(i, r if c.blocks_in else None), b, self.dtype, self.op) for i in range(n)]
+            )
+        else:  # broadcast, scatter: the root's (block r of its) input
+            want = _pattern(self._tag(self.root, r if c.blocks_in else None), b, self.dtype, self.op)
         got = self.out.reshape(-1)
         if corrupt and got.size:
             got[got.size // 2] = got[got.size // 2] + 1 if self.dtype.kind != "b" else not got[got.size // 2]
@@ -486,22 +477,22 @@ def format_table(rows: Sequence[Row], stats: bool = False) -> str:
         units = "     (us)  (GB/s)  (GB/s)       " + ("     (us)     (us)" if stats else "")
         lines.append(f"# {'(B)':>10} {'(elements)':>12} {'':>8} {'':>6} {'':>6}" + units * len(modes))
         by_size: dict[int, dict[str, Row]] = {}
-        for r in sec:
-            by_size.setdefault(r.size, {})[r.mode] = r
+        for each in sec:
+            by_size.setdefault(each.size, {})[each.mode] = each
         for size, per_mode in by_size.items():
             first = next(iter(per_mode.values()))
             text = f"  {size:>10} {first.count:>12} {first.dtype:>8} {first.op:>6} {first.root:>6}"
             for m in modes:
-                r = per_mode.get(m)
-                if r is None:
+                cell = per_mode.get(m)
+                if cell is None:
                     text += " " * len(cols)
                     continue
-                wrong = "N/A" if r.wrong < 0 else str(r.wrong)
-                text += f" {r.time_us:>8.2f} {r.algbw:>7.2f} {r.busbw:>7.2f} {wrong:>6}"
+                wrong = "N/A" if cell.wrong < 0 else str(cell.wrong)
+                text += f" {cell.time_us:>8.2f} {cell.algbw:>7.2f} {cell.busbw:>7.2f} {wrong:>6}"
                 if stats:
-                    text += f" {r.p10_us:>8.2f} {r.p90_us:>8.2f}"
-                total_wrong += max(r.wrong, 0)
-                busbws.append(r.busbw)
+                    text += f" {cell.p10_us:>8.2f} {cell.p90_us:>8.2f}"
+                total_wrong += max(cell.wrong, 0)
+                busbws.append(cell.busbw)
             lines.append(text)
     avg = sum(busbws) / len(busbws) if busbws else 0.0
     lines.append(f"# Out of bounds values : {total_wrong} {'OK' if total_wrong == 0 else 'FAILED'}")
@@ -525,7 +516,7 @@ def write_csv(rows: Sequence[Row], path: str) -> None:
             w.writerow(dataclasses.asdict(r))
 
 
-def plot(series: dict[str, Sequence[Row]], path: str, title: str = "") -> None:
+def plot(series: Mapping[str, Sequence[Row]], path: str, title: str = "") -> None:
     """busbw vs size, one line per series (needs matplotlib: ``pip install shmcoll[plot]``)."""
     try:
         import matplotlib

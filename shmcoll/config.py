@@ -30,32 +30,7 @@ import numbers
 import os
 from collections.abc import Mapping
 
-_SUFFIXES = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_size(text: str | int) -> int:
-    """``"64K"`` -> 65536. Binary multiples; a trailing ``B``/``iB`` is allowed."""
-    if isinstance(text, int):
-        return text
-    s = text.strip().upper().replace("IB", "").rstrip("B") or "0"
-    unit = s[-1] if s[-1] in _SUFFIXES else ""
-    number = s[: len(s) - len(unit)] if unit else s
-    try:
-        value = float(number)
-    except ValueError:
-        raise ValueError(f"not a size: {text!r} (expected e.g. 512, 64K, 1M, 2G)") from None
-    if value < 0:
-        raise ValueError(f"size must be >= 0: {text!r}")
-    return int(value * _SUFFIXES[unit])
-
-
-def format_size(nbytes: int) -> str:
-    """65536 -> ``"64K"``: the shortest exact binary-suffixed spelling."""
-    for unit in ("T", "G", "M", "K"):
-        mult = _SUFFIXES[unit]
-        if nbytes >= mult and nbytes % mult == 0:
-            return f"{nbytes // mult}{unit}"
-    return str(nbytes)
+from shmcoll.units import parse_size
 
 
 def timeout_s(value: object, what: str = "timeout") -> float:

@@ -37,6 +37,7 @@ _JITTED_SOURCES = (
     "plan/ir.py",
     "shm/layout.py",
     "shm/liveness.py",
+    "shm/arena.py",
 )
 
 
@@ -61,11 +62,12 @@ def jit(fn: F | None = None, **options: Any) -> Any:
     opts = {"cache": True, "nogil": True, **options}
 
     def decorate(f: F) -> F:
-        saved = numba.config.CACHE_DIR
-        numba.config.CACHE_DIR = CACHE_DIR
+        # numba.config gains CACHE_DIR at import, which type checkers cannot see.
+        saved = numba.config.CACHE_DIR  # type: ignore[attr-defined]
+        numba.config.CACHE_DIR = CACHE_DIR  # type: ignore[attr-defined]
         try:
             return numba.njit(**opts)(f)  # type: ignore[no-any-return]
         finally:
-            numba.config.CACHE_DIR = saved
+            numba.config.CACHE_DIR = saved  # type: ignore[attr-defined]
 
     return decorate(fn) if fn is not None else decorate

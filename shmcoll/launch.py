@@ -30,7 +30,6 @@ import subprocess
 import sys
 import time
 import traceback
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,6 +41,7 @@ from shmcoll.engine import cpu as engine
 from shmcoll.errors import ShmcollError, SpawnError
 from shmcoll.shm import layout
 from shmcoll.shm.arena import Arena, ArenaHandle
+from shmcoll.shm.janitor import Janitor
 from shmcoll.shm.segment import new_token, unlink_job
 
 log = logging.getLogger("shmcoll")
@@ -51,72 +51,11 @@ log = logging.getLogger("shmcoll")
 WARM_DTYPES = tuple(np.dtype(t) for t in (np.uint8, np.int32, np.int64, np.float32, np.float64))
 
 _GRACE_S = 5.0  # how long survivors of a failure get to report before they are killed
-# The token comes through the pipe, never the command line: `ps` shows argv to every user.
-_JANITOR = (
-    "import os, sys\n"
-    "token = sys.stdin.buffer.readline().strip().decode()\n"
-    "while sys.stdin.buffer.read(65536):\n"
-    "    pass\n"
-    "tag = 'shmcoll-' + token + '-'\n"
-    "for name in os.listdir('/dev/shm'):\n"
-    "    if name.startswith(tag):\n"
-    "        try:\n"
-    "            os.unlink(os.path.join('/dev/shm', name))\n"
-    "        except OSError:\n"
-    "            pass\n"
-)
 
 
 def warm_kernels(dtypes: Sequence[np.dtype] = WARM_DTYPES) -> None:
     """Compile (or load from the cache) the engine for ``dtypes`` in this process."""
     engine.warm(dtypes)
-
-
-class _Janitor:
-    """Unlinks the job's segment names when the owning process ends, however it ends."""
-
-    def __init__(self, token: str) -> None:
-        self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-            [sys.executable, "-S", "-c", _JANITOR],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-            close_fds=True,
-        )
-        assert self._proc.stdin is not None
-        self._proc.stdin.write(token.encode() + b"\n")
-        self._proc.stdin.flush()
-        _JANITORS.add(self)
-
-    def forget_in_child(self) -> None:
-        # A forked child must not hold the janitor's pipe open: the janitor cleans up when the
-        # owner ends, and would wait for the child too.
-        if self._proc is not None and self._proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._proc.stdin.fileno())
-        self._proc = None
-
-    def close(self) -> None:
-        if self._proc is not None:
-            assert self._proc.stdin is not None
-            self._proc.stdin.close()
-            try:
-                self._proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-            self._proc = None
-
-
-_JANITORS: weakref.WeakSet[_Janitor] = weakref.WeakSet()
-
-
-def _forget_janitors() -> None:
-    for janitor in list(_JANITORS):
-        janitor.forget_in_child()
-
-
-os.register_at_fork(after_in_child=_forget_janitors)
 
 
 def _set_parent_death_signal() -> None:
@@ -164,7 +103,7 @@ class Group:
         cfg = config.get()
         self.token = new_token()
         self.timeout = timeout
-        self._janitor: _Janitor | None = _Janitor(self.token)
+        self._janitor: Janitor | None = Janitor(self.token)
         try:
             self._arena: Arena | None = Arena.create(
                 world_size, nslots or cfg.nslots, slot_bytes or cfg.slot_bytes, self.token
@@ -211,9 +150,7 @@ class Group:
         """Abort the job's communicator from the owner (the launcher after a rank failed)."""
         if self._arena is None:
             return
-        state = engine.new_state(self._arena.layout, -1, spin_ns=0, yields=0, sleep_ns=0, slice_ns=0)
-        state[engine.S_RANK] = -1
-        engine.raise_abort(self._arena.ctrl, state, code, failed_rank, 0, 0, 0, 0, 0)
+        self._arena.abort(-1, code, failed_rank)
 
     def culprit(self) -> int | None:
         """The rank the communicator's abort word blames, if any: the one a rank found lost, or
@@ -276,7 +213,7 @@ def _rank_main(
         failed = True
         text = traceback.format_exc()
         if comm is not None and not isinstance(exc, ShmcollError):
-            comm._abort_for_error(f"{type(exc).__name__}: {exc}")
+            comm.abort(cause=exc)
         try:
             payload: bytes | None = pickle.dumps(exc)
         except Exception:  # noqa: BLE001
@@ -355,7 +292,7 @@ def spawn(
         readers = []
         for rank in range(nprocs):
             reader, writer = ctx.Pipe(duplex=False)
-            p = ctx.Process(
+            p = ctx.Process(  # type: ignore[attr-defined]
                 target=_rank_main,
                 args=(group, rank, fn, tuple(args), dict(kwargs or {}), writer, os.getpid()),
                 name=f"shmcoll-rank-{rank}",

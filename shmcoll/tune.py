@@ -35,7 +35,8 @@ import numpy as np
 from shmcoll import bench, config
 from shmcoll.algos import registry
 from shmcoll.algos.select import TUNE_VERSION, Measured, TuneTable
-from shmcoll.sim import CostModel, Costs, simulate
+from shmcoll.plan.cost import CostModel, Costs, simulate
+from shmcoll.units import format_size, format_time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,9 +308,6 @@ def run(
 
 def summary(table: TuneTable, link: Link | None = None) -> str:
     """What tune found, for people: the model, then per (collective, world size) the winners."""
-    from shmcoll.config import format_size
-    from shmcoll.sim import format_time
-
     lines = []
     if link is not None:
         lines.append(

@@ -1,8 +1,9 @@
 """The algorithm registry: which builders serve which collective, and what each can serve.
 
-Adding an algorithm is one module in ``algos/`` with builders decorated by :func:`register`;
-the communicator, the automatic choice, the tests and the CLI's ``--algorithm`` choices all find
-it here.
+Adding an algorithm is one module in ``algos/`` with builders decorated by :func:`register`,
+imported by ``algos/__init__.py``; the communicator, the automatic choice, the tests and the
+CLI's ``--algorithm`` choices all find it here. (Importing this module runs the package's
+``__init__`` first, so every builder is registered before anyone can look one up.)
 """
 
 from __future__ import annotations
@@ -10,7 +11,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
+from shmcoll.plan.algorithm import Query
 from shmcoll.plan.builder import Context
+
+__all__ = ["ALGORITHM_NAMES", "Algorithm", "Query", "algorithms", "get", "register"]
 
 # Algorithm names, spelled one way everywhere; the index is the algorithm's code in signatures.
 ALGORITHM_NAMES: tuple[str, ...] = (
@@ -23,23 +27,6 @@ ALGORITHM_NAMES: tuple[str, ...] = (
     "pairwise",
     "zerocopy",
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Query:
-    """What an algorithm's ``supports`` predicate is asked about one call."""
-
-    collective: str
-    world_size: int
-    count: int
-    itemsize: int
-    root: int = 0
-    inplace: bool = False
-    registered: bool = False  # this rank's shared buffers come from comm.alloc
-
-    @property
-    def nbytes(self) -> int:
-        return self.count * self.itemsize
 
 
 Builder = Callable[[Context], None]
@@ -115,8 +102,7 @@ def register(
 
 
 def get(collective: str, name: str) -> Algorithm:
-    from shmcoll import algos  # noqa: F401  (registers every builder)
-
+    """The algorithm ``name`` of ``collective``; ValueError naming the registered ones."""
     try:
         return _REGISTRY[(collective, name)]
     except KeyError:
@@ -126,7 +112,5 @@ def get(collective: str, name: str) -> Algorithm:
 
 def algorithms(collective: str | None = None) -> list[Algorithm]:
     """Registered algorithms (of one collective), in ALGORITHM_NAMES order."""
-    from shmcoll import algos  # noqa: F401
-
     found = [a for a in _REGISTRY.values() if collective is None or a.collective == collective]
     return sorted(found, key=lambda a: (a.collective, a.code))

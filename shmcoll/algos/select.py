@@ -12,7 +12,7 @@ An explicit name must serve the call or the call fails. ``auto`` decides, in thi
    (log-log) between the measured sizes and held flat beyond them; the fastest wins. At a
    measured size that is the measured time itself, so auto never picks an algorithm that
    measured slower than another there.
-3. **model**: the cost model (:mod:`shmcoll.sim`), calibrated by the tune table, or the built-in
+3. **model**: the cost model (:mod:`shmcoll.plan.cost`), calibrated by the tune table, or the built-in
    :func:`default_model` without one, simulates every candidate's plan; the fastest wins.
 4. **fallback**: the first registered candidate (``direct``), when nothing can predict.
 
@@ -40,10 +40,13 @@ import math
 from typing import Any
 
 from shmcoll import collectives, config
-from shmcoll.algos import registry
+from shmcoll.algos import closed_forms, registry
 from shmcoll.algos.registry import ALGORITHM_NAMES, Algorithm, Query
 from shmcoll.collectives import COLLECTIVES
 from shmcoll.errors import UnsupportedError
+from shmcoll.plan import cost
+from shmcoll.plan.cost import CostModel
+from shmcoll.units import format_time, parse_size
 
 log = logging.getLogger("shmcoll")
 
@@ -108,8 +111,8 @@ def parse_overrides(text: str) -> dict[str, tuple[Rule, ...]]:
                 if not dash:
                     raise _bad(choice, "a size range is LO-HI, LO- or -HI, e.g. 0-64K")
                 try:
-                    lo = config.parse_size(lo_text) if lo_text.strip() else 0
-                    hi = config.parse_size(hi_text) if hi_text.strip() else None
+                    lo = parse_size(lo_text) if lo_text.strip() else 0
+                    hi = parse_size(hi_text) if hi_text.strip() else None
                 except ValueError as exc:
                     raise _bad(choice, str(exc)) from None
                 if hi is not None and hi <= lo:
@@ -139,7 +142,7 @@ class Measured:
 class TuneTable:
     """What ``shmcoll tune`` wrote: the calibrated model, the slot geometry, the measurements."""
 
-    model: Any  # shmcoll.sim.CostModel (imported lazily: the simulator is only needed for auto)
+    model: CostModel
     slot_bytes: int
     measured: tuple[Measured, ...]
     source: str = ""
@@ -172,8 +175,6 @@ class TuneTable:
 
     @classmethod
     def from_json(cls, data: dict[str, Any], source: str = "") -> TuneTable:
-        from shmcoll.sim import CostModel
-
         if data.get("version") != TUNE_VERSION:
             raise ValueError(f"tune table version {data.get('version')!r}, expected {TUNE_VERSION}")
         measured = []
@@ -195,10 +196,8 @@ class TuneTable:
         return cls(CostModel.from_dict(data["model"]), int(data["slot_bytes"]), tuple(measured), source)
 
 
-def default_model() -> Any:
+def default_model() -> CostModel:
     """The built-in cost model, used when no tune table exists (see ``docs/simulator.md``)."""
-    from shmcoll.sim import CostModel
-
     cfg = config.get()
     return CostModel(DEFAULT_ALPHA_S, DEFAULT_BETA_BPS, nslots=cfg.nslots)
 
@@ -223,9 +222,7 @@ def reset() -> None:
     parse_overrides.cache_clear()
     load_table.cache_clear()
     _decide_cached.cache_clear()
-    from shmcoll import sim
-
-    sim.plan_time.cache_clear()
+    cost.plan_time.cache_clear()
 
 
 # --- the decision ---------------------------------------------------------------------------------
@@ -257,8 +254,6 @@ def _candidates(query: Query) -> tuple[list[Algorithm], dict[str, str]]:
 
 
 def _fmt(seconds: float) -> str:
-    from shmcoll.sim import format_time
-
     return format_time(seconds)
 
 
@@ -292,8 +287,6 @@ def decide(
         UnsupportedError: no registered algorithm serves the call.
         ValueError: a malformed override.
     """
-    from shmcoll import sim
-
     rules = parse_overrides(overrides).get(query.collective, ())
     candidates, why_not = _candidates(query)
     if not candidates:
@@ -321,7 +314,7 @@ def decide(
     if nslots is not None and nslots != model.nslots:
         model = dataclasses.replace(model, nslots=nslots)
     if grouped and model.group_size != group_size:
-        # The model's groups are the ones hierarchical plans are built for (sim passes them on).
+        # The model's groups are the ones hierarchical plans are built for (the cost model passes them on).
         model = dataclasses.replace(model, group_size=group_size)
     slot = slot_bytes or (table.slot_bytes if table is not None else config.get().slot_bytes)
     root = query.root if collectives.get(query.collective).rooted else 0
@@ -329,7 +322,7 @@ def decide(
     def predicted(alg: Algorithm, nbytes: int) -> float | None:
         count = collectives.get(query.collective).count_for(query.world_size, nbytes, query.itemsize)
         try:
-            return sim.call_time(alg, query.world_size, count, query.itemsize, model, slot, root)
+            return closed_forms.call_time(alg, query.world_size, count, query.itemsize, model, slot, root)
         except RuntimeError as exc:  # the plan cannot run with these slots: never choose it
             log.warning("%s: %s not considered: %s", what, alg.name, exc)
             return None

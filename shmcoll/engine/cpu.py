@@ -1,9 +1,12 @@
 """The jitted interpreter of an encoded plan: the only code that loops over steps.
 
-``execute(prog, inp, out, tmp, data, ctrl, state)`` runs one rank's program for one call:
-``prog`` is the encoded table (``plan.ir``), ``inp``/``out``/``tmp`` the call's buffers, ``data``
-the whole arena viewed as the same dtype (slots are addressed inside it), ``ctrl`` the arena
-viewed as int64 (control words, slot tags) and ``state`` this rank's engine state (below).
+``execute(handles, inp, out)`` runs one rank's program for one call: ``inp``/``out`` are the
+call's buffers and ``handles`` (:func:`handles_for`) holds the addresses and sizes of what does
+not change between calls of one shape: ``prog``, the encoded table (``plan.ir``); ``tmp``, the
+call's scratch; ``data``, the whole arena viewed as the call's dtype (slots are addressed inside
+it); ``ctrl``, the arena viewed as int64 (control words, slot tags); and ``state``, this rank's
+engine state (below). Taking them as one table instead of five arguments saves numba's unboxing
+of four arrays on every call (about 55 ns each); the caller keeps the arrays alive.
 
 A step first waits until everything it needs is there: a full incoming slot (RECV) and a free
 outgoing slot (SEND); only then does it touch memory, so a step either runs completely or not
@@ -36,6 +39,10 @@ in a different call is reported as ``MISMATCH`` with its tag, instead of mixing 
   (``S_NESTED``: object collectives, ``alloc`` and ``split`` are several calls that must not be
   interleaved with anyone else's);
 - ``ENTRY_NESTED`` is a start made by the thread that holds ``S_NESTED``;
+- ``ENTRY_CLAIMED`` is a start whose caller claimed the state already, with :func:`claim`: a
+  call that must write shared scratch or state before it runs (a float16 reduction's float32
+  copies, a read-only input's copy, a zero-copy call's placement) claims first, so that an
+  overlapping call can never write into another's buffers;
 - ``ENTRY_RESUME`` continues the claimed call. Only the thread that started a call holds the
   resume copy of its program, so no other thread can continue it.
 
@@ -45,6 +52,8 @@ would never wait for it.
 """
 
 from __future__ import annotations
+
+from numba import carray
 
 from shmcoll.collectives import KIND_CODE
 from shmcoll.jit import jit
@@ -62,6 +71,7 @@ from shmcoll.plan.ir import (
     C_OP,
     C_PEER_IN,
     C_PEER_OUT,
+    ENTRY_CLAIMED,
     ENTRY_NESTED,
     ENTRY_RESUME,
     FINAL,
@@ -76,6 +86,7 @@ from shmcoll.plan.ir import (
     HD_REGISTERED,
     HD_REPS,
     HD_SIG,
+    NCOLS,
     RECV,
     RECV_LEFT,
     REDUCE,
@@ -83,6 +94,7 @@ from shmcoll.plan.ir import (
     STORE,
 )
 from shmcoll.shm.atomics import (
+    address_as_pointer,
     compare_exchange,
     cpu_pause,
     fetch_add,
@@ -97,13 +109,6 @@ from shmcoll.shm.atomics import (
 )
 from shmcoll.shm.layout import (
     AB_CODE,
-    AB_DETAIL,
-    AB_ORIGIN,
-    AB_OWN_SEQ,
-    AB_PEER,
-    AB_SEQ,
-    AB_SIG,
-    AB_STEP,
     C_HEAD,
     C_HEAD_WAITERS,
     C_TAIL,
@@ -367,18 +372,45 @@ def _peers_alive(prog, ctrl, state):  # type: ignore[no-untyped-def]
     return -1
 
 
+# The table of fixed arrays (see the module docstring): address and element count of each.
+(H_PROG, H_PROG_ROWS, H_TMP, H_TMP_LEN, H_DATA, H_DATA_LEN, H_CTRL, H_CTRL_LEN, H_STATE, H_STATE_LEN) = range(10)
+HANDLE_WORDS = 10
+
+
+def handles_for(prog, tmp, data, ctrl, state):  # type: ignore[no-untyped-def]
+    """The table :func:`execute` takes for these arrays (which the caller must keep alive)."""
+    import numpy as np
+
+    h = np.zeros(HANDLE_WORDS, np.int64)
+    for i, a in ((H_PROG, prog), (H_TMP, tmp), (H_DATA, data), (H_CTRL, ctrl), (H_STATE, state)):
+        h[i] = a.ctypes.data
+        h[i + 1] = a.shape[0]
+    return h
+
+
 @jit
-def execute(prog, inp, out, tmp, data, ctrl, state):  # type: ignore[no-untyped-def]
+def execute(handles, inp, out):  # type: ignore[no-untyped-def]
     """Start (or resume, per the program's ``HD_ENTRY``) this rank's program for one call; returns
     a status code."""
+    prog = carray(address_as_pointer(handles[H_PROG], handles), (handles[H_PROG_ROWS], NCOLS))
+    tmp = carray(address_as_pointer(handles[H_TMP], inp), handles[H_TMP_LEN])
+    data = carray(address_as_pointer(handles[H_DATA], inp), handles[H_DATA_LEN])
+    ctrl = carray(address_as_pointer(handles[H_CTRL], handles), handles[H_CTRL_LEN])
+    state = carray(address_as_pointer(handles[H_STATE], handles), handles[H_STATE_LEN])
+    return _execute(prog, inp, out, tmp, data, ctrl, state)
+
+
+@jit
+def _execute(prog, inp, out, tmp, data, ctrl, state):  # type: ignore[no-untyped-def]
     rank_word = state[S_RANK_WORD]
     entry = prog[0, HD_ENTRY]
     if entry != ENTRY_RESUME:
-        if compare_exchange(state, S_ACTIVE, 0, 1) != 0:
-            return BUSY
-        if entry != ENTRY_NESTED and load_seqcst(state, S_NESTED) != 0:
-            store_release(state, S_ACTIVE, 0)
-            return BUSY
+        if entry != ENTRY_CLAIMED:
+            if compare_exchange(state, S_ACTIVE, 0, 1) != 0:
+                return BUSY
+            if entry != ENTRY_NESTED and load_seqcst(state, S_NESTED) != 0:
+                store_release(state, S_ACTIVE, 0)
+                return BUSY
         if load_acquire(ctrl, AB_CODE) != 0:
             store_release(state, S_ACTIVE, 0)
             return ABORTED
@@ -440,24 +472,21 @@ def execute(prog, inp, out, tmp, data, ctrl, state):  # type: ignore[no-untyped-
 
 
 @jit
-def raise_abort(ctrl, state, code, peer, seq, sig, step, detail, own_seq):  # type: ignore[no-untyped-def]
-    """Mark the arena aborted (first caller wins) and wake every sleeper; returns True if first."""
-    first = compare_exchange(ctrl, AB_CODE, 0, -1) == 0
-    if first:
-        ctrl[AB_ORIGIN] = state[S_RANK]
-        ctrl[AB_PEER] = peer
-        ctrl[AB_SEQ] = seq
-        ctrl[AB_SIG] = sig
-        ctrl[AB_STEP] = step
-        ctrl[AB_DETAIL] = detail
-        ctrl[AB_OWN_SEQ] = own_seq
-        store_release(ctrl, AB_CODE, code)
-    chan_base = state[S_CHAN_BASE]
-    for ch in range(state[S_NCHANNELS]):
-        cw = chan_base + ch * CHANNEL_WORDS
-        futex_wake(ctrl, cw + C_HEAD)
-        futex_wake(ctrl, cw + C_TAIL)
-    return first
+def claim(state, nested):  # type: ignore[no-untyped-def]
+    """Claim the state for a call started with ``ENTRY_CLAIMED``: OK, or BUSY if another call is
+    under way or (unless ``nested``) another thread holds the communicator for a nested call."""
+    if compare_exchange(state, S_ACTIVE, 0, 1) != 0:
+        return BUSY
+    if nested == 0 and load_seqcst(state, S_NESTED) != 0:
+        store_release(state, S_ACTIVE, 0)
+        return BUSY
+    return OK
+
+
+@jit
+def release(state):  # type: ignore[no-untyped-def]
+    """Give back a claim that no call used (the call failed before it started)."""
+    store_release(state, S_ACTIVE, 0)
 
 
 def new_state(layout, rank: int, *, spin_ns: int, yields: int, sleep_ns: int, slice_ns: int):  # type: ignore[no-untyped-def]
@@ -487,8 +516,7 @@ def warm(dtypes) -> None:  # type: ignore[no-untyped-def]
     from numba import types
     from numba.np.numpy_support import from_dtype
 
-    prog = types.Array(types.int64, 2, "C")
     words = types.Array(types.int64, 1, "C")
     for dt in dtypes:
         arr = types.Array(from_dtype(dt), 1, "C")
-        execute.compile((prog, arr, arr, arr, arr, words, words))
+        execute.compile((words, arr, arr))

@@ -3,11 +3,13 @@
 Imported only when a device array reaches shmcoll (through :mod:`shmcoll.device`) or by
 ``shmcoll info``; importing it imports ``numba.cuda``.
 
-Every collective call on device arrays starts with a **handshake**: one small CPU ``allgather``
-on the communicator of a row per rank (call signature, settings, device identity, whether IPC
-works here, whether this rank already copied its input in). Every rank sees the same rows and
-so makes the same decisions: mismatched calls raise :class:`CollectiveMismatchError` on every
-rank, and all ranks pick the same data path:
+This module moves the bytes and never communicates: :mod:`shmcoll.comm.device` exchanges what
+the ranks need through the communicator and raises. Every collective call on device arrays
+starts with a **handshake**: one small CPU ``allgather`` of a row per rank (call signature,
+settings, device identity, whether IPC works here, whether this rank already copied its input
+in), built by :meth:`DeviceEngine.begin`. Every rank sees the same rows and so makes the same
+decision (:meth:`DeviceEngine.decide`: mismatched calls are a status that every rank raises
+alike), and all ranks pick the same data path:
 
 * **IPC** (every rank on the same physical device, a real GPU): each rank owns one device
   *workspace*, exported once with ``cudaIpcGetMemHandle`` and opened once by every peer, so a
@@ -49,15 +51,8 @@ it can neither time out nor see an abort.
 
 from __future__ import annotations
 
-import ctypes
-import dataclasses
-import hashlib
 import importlib.metadata
-import itertools
 import logging
-import os
-import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -65,7 +60,7 @@ from numba import cuda
 
 from shmcoll import collectives
 from shmcoll.collectives import KIND_CODE, PLAN_KINDS
-from shmcoll.errors import CollectiveMismatchError, UnsupportedError
+from shmcoll.engine.cuda_memory import CudaIpcBackend, DeviceBuffer, HostShmBackend
 from shmcoll.kernels import cuda as kernels
 from shmcoll.types import DTYPE_CODE, DTYPES, FLOAT16, ReduceOp, engine_types
 
@@ -90,220 +85,23 @@ def _round_up(value: int, align: int = ALIGN_BYTES) -> int:
     return -(-value // align) * align
 
 
-# --- what a device array is --------------------------------------------------------------------
-@dataclasses.dataclass
-class DeviceBuffer:
-    """A user's device array, described once: ``array`` is a numba device array (a simulator
-    array under ``NUMBA_ENABLE_CUDASIM=1``) over the same memory, or None if not contiguous."""
-
-    obj: Any
-    array: Any
-    ptr: int
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    readonly: bool
-    contiguous: bool
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * self.dtype.itemsize
-
-    def flat(self, dtype: np.dtype | None = None) -> Any:
-        """A 1-d view of the whole buffer, reinterpreted as ``dtype`` (same memory)."""
-        a = self.array.reshape(self.size)
-        if dtype is not None and np.dtype(dtype) != self.dtype:
-            a = a.view(dtype)
-        return a
-
-
-def _c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...] | None, itemsize: int) -> bool:
-    if strides is None:
-        return True
-    if 0 in shape:
-        return True
-    expected = itemsize
-    for dim, stride in zip(reversed(shape), reversed(strides), strict=True):
-        if dim != 1 and stride != expected:
-            return False
-        expected *= dim
-    return True
-
-
-def _fake_array_type() -> Any:
-    if not SIMULATOR:
-        return None
-    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-    return FakeCUDAArray
-
-
-def as_device(obj: Any) -> DeviceBuffer | None:
-    """Describe ``obj`` if it is a device array (anything with ``__cuda_array_interface__``;
-    under the simulator also numba's simulated device arrays), else return None."""
-    fake = _fake_array_type()
-    if fake is not None and isinstance(obj, fake):
-        host = obj._ary
-        return DeviceBuffer(
-            obj,
-            obj,
-            int(host.__array_interface__["data"][0]),
-            tuple(host.shape),
-            host.dtype,
-            not host.flags.writeable,
-            bool(host.flags.c_contiguous),
-        )
-    try:
-        cai = obj.__cuda_array_interface__
-    except AttributeError:
-        return None
-    shape = tuple(int(s) for s in cai["shape"])
-    dtype = np.dtype(cai["typestr"])
-    ptr, readonly = cai["data"]
-    strides = cai.get("strides")
-    contiguous = _c_contiguous(shape, None if strides is None else tuple(strides), dtype.itemsize)
-    if cai.get("mask") is not None:
-        raise TypeError("masked device arrays are not supported")
-    array = None
-    if contiguous:
-        if fake is not None:
-            # Under the simulator "device memory" is host memory, so the pointer is a host address.
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            if nbytes and ptr:
-                raw = (ctypes.c_uint8 * nbytes).from_address(int(ptr))
-                host = np.frombuffer(raw, np.uint8).view(dtype).reshape(shape)
-            else:
-                host = np.empty(shape, dtype)
-            array = fake(host)
-        elif _is_numba_array(obj):
-            array = obj
-        else:
-            array = cuda.as_cuda_array(obj)  # zero-copy; waits on the exporter's stream (CAI v3)
-    return DeviceBuffer(obj, array, int(ptr or 0), shape, dtype, bool(readonly), contiguous)
-
-
-def _is_numba_array(obj: Any) -> bool:
-    from numba.cuda.cudadrv.devicearray import DeviceNDArray
-
-    return isinstance(obj, DeviceNDArray)
-
-
-def device_array(shape: tuple[int, ...], dtype: np.dtype) -> Any:
-    """A new device array (numba's) for results the caller did not provide."""
-    return cuda.device_array(shape, dtype=dtype)
-
-
-# --- workspaces shared between processes ---------------------------------------------------------
-class CudaIpcBackend:
-    """Workspaces in device memory, shared with CUDA IPC (``cudaIpcGetMemHandle``/``Open``)."""
-
-    name = "cuda-ipc"
-
-    def device_key(self) -> int:
-        ident = cuda.get_current_device().get_device_identity()  # PCI domain/bus/device: global
-        return _key(repr(sorted(ident.items())))
-
-    def usable(self) -> str | None:
-        """Why IPC cannot work in this process, or None."""
-        if SIMULATOR:
-            return "the CUDA simulator has no IPC"
-        if not cuda.is_available():
-            return "no usable CUDA device"
-        return None
-
-    def alloc(self, nbytes: int, label: str) -> tuple[Any, Any]:
-        local = cuda.device_array(nbytes, dtype=np.uint8)
-        return local, local
-
-    def export(self, local: Any) -> Any:
-        # An IpcHandle pickles as the handle bytes, the size and the source device's identity.
-        return cuda.current_context().get_ipc_handle(local.gpu_data)
-
-    def open(self, handle: Any) -> tuple[Any, Any]:
-        from numba.cuda.cudadrv.devicearray import DeviceNDArray
-
-        # open_direct, never numba's open(): that one silently stages through the host when the
-        # source device is not peer-accessible; the handshake already required one device.
-        ptr = handle.open_direct(cuda.current_context())
-        return DeviceNDArray(shape=(handle.size,), strides=(1,), dtype=_UINT8, gpu_data=ptr), handle
-
-    def opened_all(self, local_token: Any) -> None:
-        pass
-
-    def close_peer(self, token: Any) -> None:
-        token.close()
-
-    def free(self, local: Any, local_token: Any) -> None:
-        pass  # dropping the last reference frees it (numba's deallocation queue)
-
-
-_WORKSPACE_NUMBERS = itertools.count(1)
-
-
-class HostShmBackend:
-    """The simulator's IPC: simulated device memory is host memory, so workspaces are POSIX
-    shared-memory segments that every rank maps. It runs the IPC protocol unchanged, which is
-    how that protocol is tested without a GPU (``shmcoll.device.configure(comm, path="ipc")``)."""
-
-    name = "simulated-ipc"
-
-    def __init__(self, token: str, rank: int) -> None:
-        self._token = token
-        self._rank = rank
-
-    def device_key(self) -> int:
-        return _key(f"simulator:{os.uname().nodename}")
-
-    def usable(self) -> str | None:
-        return None if SIMULATOR else "host shared memory stands in for IPC only under the simulator"
-
-    def alloc(self, nbytes: int, label: str) -> tuple[Any, Any]:
-        from shmcoll.shm.segment import Segment, segment_name
-
-        # Names carry the job token and this pid; the process-wide counter keeps the workspaces of
-        # a communicator and of its sub-communicators (same token, same process) apart.
-        name = segment_name(self._token, f"gpuws{self._rank}n{next(_WORKSPACE_NUMBERS)}")
-        seg = Segment.create(name, nbytes, "a device workspace")
-        fake = _fake_array_type()
-        assert fake is not None
-        return fake(seg.array(np.uint8)), seg
-
-    def open(self, handle: Any) -> tuple[Any, Any]:
-        from shmcoll.shm.segment import Segment
-
-        name, nbytes = handle
-        seg = Segment.attach(name, nbytes)
-        fake = _fake_array_type()
-        assert fake is not None
-        return fake(seg.array(np.uint8)), seg
-
-    def export(self, seg: Any) -> Any:
-        return (seg.name, seg.size)
-
-    def opened_all(self, local_token: Any) -> None:
-        local_token.unlink()
-
-    def close_peer(self, token: Any) -> None:
-        token.close()
-
-    def free(self, local: Any, local_token: Any) -> None:
-        local_token.unlink()
-        local_token.close()
-
-
-def _key(text: str) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
-
-
 # --- the engine ----------------------------------------------------------------------------------
+# What a decision on the handshake rows says (the API layer turns these into exceptions).
+OK = 0
+MISMATCH = 1  # the ranks' calls (or settings) differ
+PATHS_DIFFER = 2  # ranks configured different paths
+NO_IPC = 3  # path='ipc' was configured but IPC is not possible
+# What a step of the IPC path asks for next.
+DONE = 0
+MEET = 1  # every rank must pass a barrier before the next phase
+
+
 class DeviceEngine:
     """One communicator's device state: settings, stream, workspaces, and the call counter.
 
-    Holds no reference to the communicator (it is passed to every call), so a communicator that
-    is dropped takes its engine with it.
+    Never communicates and never raises for a reason that involves other ranks: every decision
+    that needs the peers takes their handshake rows or workspace offers as arguments and returns
+    a status; :mod:`shmcoll.comm.device` exchanges them and raises.
     """
 
     def __init__(self, rank: int, world_size: int, token: str) -> None:
@@ -323,6 +121,7 @@ class DeviceEngine:
         self._views: list[Any] | None = None
         self._peer_tokens: list[Any] = []
         self._scratch: Any = None
+        self._pending: Any = None  # a workspace offered but not yet opened by every rank
 
     # settings
     def configure(self, path: str | None = None, oneshot_bytes: int | None = None) -> None:
@@ -346,13 +145,14 @@ class DeviceEngine:
             self._backend = HostShmBackend(self._token, self.rank) if SIMULATOR else CudaIpcBackend()
         return self._backend
 
-    def _ipc_blocker(self) -> str | None:
+    def ipc_blocker(self) -> str | None:
+        """Why this process cannot take the IPC path (None: it can)."""
         if self._ipc_failed is not None:
             return self._ipc_failed
         if SIMULATOR and self.path != "ipc":
             return "the simulator stages through host memory unless path='ipc' is configured"
         try:
-            return self.backend().usable()
+            return self.backend().usable()  # type: ignore[no-any-return]
         except Exception as exc:  # noqa: BLE001  (a driver that cannot tell: no IPC)
             return f"{type(exc).__name__}: {exc}"
 
@@ -362,40 +162,32 @@ class DeviceEngine:
         except Exception:  # noqa: BLE001
             return -1
 
-    # the call
-    def collective(
-        self,
-        comm: Any,
-        kind: str,
-        x: DeviceBuffer | None,
-        out: DeviceBuffer | None,
-        *,
-        count: int,
-        dtype: np.dtype,
-        op: ReduceOp,
-        root: int,
-        algorithm: str,
-        timeout: float | None,
-    ) -> None:
-        """Run one collective. ``x``/``out`` are None where this rank has none (non-root outputs,
-        non-root scatter input). ``count`` is the element count of one rank's block."""
-        deadline = time.monotonic() + (comm.timeout if timeout is None else float(timeout))
-        # Device work queued before the call (on any stream of this process) must be done
-        # before we read or write the buffers.
+    def wait_for_queued_work(self) -> None:
+        """Device work this process queued before a call (on any stream) completes first."""
         cuda.synchronize()
-        need_a, need_b = self._needs(kind, count, dtype)
+
+    # the handshake
+    def begin(self, kind: str, x: DeviceBuffer | None, count: int, dtype: np.dtype, op: ReduceOp, root: int) -> Any:
+        """Prepare a call and return this rank's handshake row (see the module docstring).
+
+        Device work queued before the call (on any stream of this process) must be done before
+        the call reads or writes the buffers, so this synchronises the device first. A rank that
+        can already copy its input into its workspace does so now, and says so in the row.
+        """
+        self.wait_for_queued_work()
+        need_a, need_b = self.needs(kind, count, dtype)
         half_needed = _round_up(need_a) + _round_up(need_b)
-        staged = self._copies_in(kind, root) is False
+        staged = self.copies_in(kind, root) is False
         if self.last_path == "ipc" and self._views is not None and self._half >= half_needed and not staged:
-            self._copy_in(kind, x, root, self.seq + 1)
-            self._sync()  # "staged" in the handshake promises the bytes are there, not queued
+            self.copy_in(kind, x, root, self.seq + 1)
+            self.sync()  # "staged" in the handshake promises the bytes are there, not queued
             staged = True
-        blocker = self._ipc_blocker()
+        blocker = self.ipc_blocker()
+        record = collectives.get(kind)
         row = np.zeros(_ROW, np.int64)
         row[F_MAGIC] = _MAGIC
         row[F_KIND] = KIND_CODE[kind]
         row[F_DTYPE] = DTYPE_CODE[dtype]
-        record = collectives.get(kind)
         row[F_OP] = int(op) if record.reducing else -1
         row[F_ROOT] = root if record.rooted else -1
         row[F_COUNT] = count
@@ -404,149 +196,119 @@ class DeviceEngine:
         row[F_DEVICE] = self._device_key() if blocker is None else -1
         row[F_IPC_OK] = blocker is None
         row[F_STAGED] = staged
-        rows = comm.allgather(row, timeout=_left(deadline))
+        return row, half_needed, staged, blocker
+
+    def decide(self, rows: np.ndarray, blocker: str | None) -> tuple[int, str, str]:
+        """(status, path, detail) from every rank's handshake row: every rank decides alike."""
         self.seq += 1
-        path = self._decide(comm, rows, blocker)
-        if path == "ipc" and not self._ensure_workspace(comm, half_needed, deadline):
-            path = "staging"
-        if path != self.last_path:
-            log.info(
-                "[rank %d] device collectives: %s path%s",
-                self.rank,
-                path,
-                f" ({blocker})" if path == "staging" and blocker else "",
-            )
-        self.last_path = path
-        if path == "staging":
-            self._staging(comm, kind, x, out, op, root, algorithm, deadline)
-            return
-        if not bool(rows[:, F_STAGED].all()):
-            if not staged:
-                self._copy_in(kind, x, root, self.seq)
-            self._sync()
-            comm.barrier(timeout=_left(deadline))
-        self._ipc(comm, kind, x, out, count, dtype, op, root, deadline)
-
-    def p2p(self, comm: Any, send: bool, buf: DeviceBuffer, peer: int, timeout: float | None) -> None:
-        """send/recv always stage through host memory: a device-side rendezvous would make a send
-        wait for its receiver, which the numpy ``send`` (buffered in shared memory) does not."""
-        cuda.synchronize()
-        s = self.stream
-        if send:
-            host = np.empty(buf.shape, buf.dtype)
-            if buf.nbytes:
-                buf.array.copy_to_host(host, stream=s)
-                s.synchronize()
-            comm.send(host, peer, timeout=timeout)
-        else:
-            host = np.empty(buf.shape, buf.dtype)
-            comm.recv(host, peer, timeout=timeout)
-            if buf.nbytes:
-                buf.array.copy_to_device(host, stream=s)
-                s.synchronize()
-
-    def release(self, comm: Any, timeout: float | None = None) -> None:
-        """Free the workspaces (collective: every rank first stops using every peer's)."""
-        self._drop_workspace(comm, timeout)
-        self.last_path = ""
-
-    # decisions
-    def _decide(self, comm: Any, rows: np.ndarray, blocker: str | None) -> str:
         n = self.world_size
         if not (rows[:, _SIGNATURE] == rows[0, _SIGNATURE]).all():
             calls = "; ".join(f"rank {r}: {_describe_row(rows[r])}" for r in range(n))
-            msg = (
-                f"rank {self.rank}: device collective #{self.seq} mismatched across ranks ({calls}): ranks must "
-                f"call the same collectives in the same order with the same sizes, dtypes, ops, roots and "
-                f"shmcoll.device settings"
-            )
-            comm.abort(msg)
-            raise CollectiveMismatchError(msg)
+            return MISMATCH, "", calls
         prefs = {PATHS[int(p)] for p in rows[:, F_PATH]}
         if "ipc" in prefs and "staging" in prefs:
-            msg = f"rank {self.rank}: ranks configured different device paths ({sorted(prefs)})"
-            comm.abort(msg)
-            raise CollectiveMismatchError(msg)
+            return PATHS_DIFFER, "", str(sorted(prefs))
         if "staging" in prefs:
-            return "staging"
+            return OK, "staging", ""
         ipc_ok = bool(rows[:, F_IPC_OK].all()) and len(set(rows[:, F_DEVICE].tolist())) == 1
         if ipc_ok and (not SIMULATOR or "ipc" in prefs):
-            return "ipc"
+            return OK, "ipc", ""
         if "ipc" in prefs:
-            why = blocker or "not every rank can use IPC, or the ranks are on different devices"
-            raise UnsupportedError(f"rank {self.rank}: path='ipc' was configured but IPC is not possible: {why}")
-        return "staging"
+            return NO_IPC, "", blocker or "not every rank can use IPC, or the ranks are on different devices"
+        return OK, "staging", ""
 
-    def _needs(self, kind: str, count: int, dtype: np.dtype) -> tuple[int, int]:
+    def needs(self, kind: str, count: int, dtype: np.dtype) -> tuple[int, int]:
         """Bytes of the A and B regions a call needs (the same on every rank)."""
         block = count * dtype.itemsize
         n = self.world_size
-        if kind in ("scatter", "reduce_scatter", "alltoall"):
+        if collectives.get(kind).blocks_in:
             return n * block, 0
         if kind == "allreduce" and block > self.oneshot_bytes and n > 1:
             return block, block
         return block, 0
 
-    def _copies_in(self, kind: str, root: int) -> bool:
+    def copies_in(self, kind: str, root: int) -> bool:
+        """Whether this rank's input goes into its workspace: the root's only, in a broadcast or a
+        scatter; everyone's elsewhere."""
         return kind not in ("broadcast", "scatter") or self.rank == root
 
-    # workspaces
-    def _ensure_workspace(self, comm: Any, half_needed: int, deadline: float) -> bool:
-        if self._views is not None and self._half >= half_needed:
-            return True
+    # workspaces: offered by each rank, opened by every peer (the API layer exchanges them)
+    def has_workspace(self, half_needed: int) -> bool:
+        return self._views is not None and self._half >= half_needed
+
+    def offer_workspace(self, half_needed: int) -> tuple[Any, str]:
+        """Allocate a workspace big enough (the old one must have been dropped); returns what the
+        peers need to open it, or (None, why not)."""
         half = max(_round_up(half_needed), MIN_HALF_BYTES, 2 * self._half)
-        self._drop_workspace(comm, _left(deadline))
         backend = self.backend()
-        failure = ""
-        local = token = None
         try:
             local, token = backend.alloc(2 * half, f"gpuws{self.rank}")
             offer = backend.export(token)
-        except Exception as exc:  # noqa: BLE001  (reported to every rank below)
-            failure = f"rank {self.rank} could not allocate a {2 * half:,}-byte workspace: {exc}"
-            offer = None
-        offers = comm.allgather_object(offer, timeout=_left(deadline))
+        except Exception as exc:  # noqa: BLE001  (reported to every rank by the caller)
+            return None, f"rank {self.rank} could not allocate a {2 * half:,}-byte workspace: {exc}"
+        self._pending = (local, token, half)
+        return offer, ""
+
+    def open_workspaces(self, offers: list[Any]) -> str:
+        """Open every peer's workspace; returns why not ("" on success)."""
+        if self._pending is None:
+            return "no workspace of this rank's own"
+        local, token, half = self._pending
+        backend = self.backend()
         views: list[Any] = []
         tokens: list[Any] = []
-        if not failure:
-            for peer, handle in enumerate(offers):
-                if peer == self.rank:
-                    views.append(local)
-                    continue
-                if handle is None:
-                    failure = f"rank {peer} could not allocate its workspace"
-                    break
-                try:
-                    view, peer_token = backend.open(handle)
-                except Exception as exc:  # noqa: BLE001
-                    failure = f"rank {self.rank} could not open rank {peer}'s workspace: {exc}"
-                    break
-                views.append(view)
-                tokens.append(peer_token)
-        oks = comm.allgather(np.array([0 if failure else 1], np.int64), timeout=_left(deadline))
-        if token is not None and not failure:
-            backend.opened_all(token)
-        if failure or not oks.all():
-            for t in tokens:
-                backend.close_peer(t)
-            if token is not None:
-                backend.free(local, token)
-            self._ipc_failed = failure or "a peer could not set up its IPC workspace"
-            log.warning("[rank %d] device IPC disabled for this communicator: %s", self.rank, self._ipc_failed)
-            return False
-        self._local, self._local_token, self._views, self._peer_tokens, self._half = local, token, views, tokens, half
-        return True
+        for peer, handle in enumerate(offers):
+            if peer == self.rank:
+                views.append(local)
+                continue
+            if handle is None:
+                return self._abandon(tokens, f"rank {peer} could not allocate its workspace")
+            try:
+                view, peer_token = backend.open(handle)
+            except Exception as exc:  # noqa: BLE001
+                return self._abandon(tokens, f"rank {self.rank} could not open rank {peer}'s workspace: {exc}")
+            views.append(view)
+            tokens.append(peer_token)
+        self._views, self._peer_tokens = views, tokens
+        return ""
 
-    def _drop_workspace(self, comm: Any, timeout: float | None) -> None:
-        if self._views is None:
-            return
+    def _abandon(self, tokens: list[Any], why: str) -> str:
+        for t in tokens:
+            self.backend().close_peer(t)
+        return why
+
+    def settle_workspaces(self, everyone_ok: bool, failure: str) -> bool:
+        """After every rank reported whether it opened every workspace: keep them (True), or free
+        this rank's and remember that IPC failed here (False)."""
         backend = self.backend()
+        pending, self._pending = self._pending, None
+        if everyone_ok and pending is not None and self._views is not None:
+            local, token, half = pending
+            backend.opened_all(token)
+            self._local, self._local_token, self._half = local, token, half
+            return True
         for t in self._peer_tokens:
             backend.close_peer(t)
         self._views, self._peer_tokens = None, []
-        # Nobody frees memory a peer may still map: every rank has closed its mappings first.
-        comm.barrier(timeout=timeout)
-        backend.free(self._local, self._local_token)
+        if pending is not None:
+            backend.free(pending[0], pending[1])
+        self._ipc_failed = failure or "a peer could not set up its IPC workspace"
+        log.warning("[rank %d] device IPC disabled for this communicator: %s", self.rank, self._ipc_failed)
+        return False
+
+    def close_peer_views(self) -> bool:
+        """Stop using the peers' workspaces (the first half of dropping them); True if there were
+        any. The caller makes every rank do so before any frees its own (``free_workspace``)."""
+        if self._views is None:
+            return False
+        for t in self._peer_tokens:
+            self.backend().close_peer(t)
+        self._views, self._peer_tokens = None, []
+        return True
+
+    def free_workspace(self) -> None:
+        if self._local_token is not None:
+            self.backend().free(self._local, self._local_token)
         self._local = self._local_token = None
         self._half = 0
 
@@ -561,7 +323,7 @@ class DeviceEngine:
         return self._scratch[:count]
 
     # data movement
-    def _sync(self) -> None:
+    def sync(self) -> None:
         # timing=False: an event without timestamps is the cheap kind to synchronise on (the
         # simulator's event takes no arguments).
         ev = cuda.event() if SIMULATOR else cuda.event(timing=False)  # type: ignore[call-arg]
@@ -572,19 +334,20 @@ class DeviceEngine:
         if dst.size:
             dst.copy_to_device(src, stream=self.stream)
 
-    def _copy_in(self, kind: str, x: DeviceBuffer | None, root: int, seq: int) -> None:
-        if not self._copies_in(kind, root) or x is None or x.nbytes == 0:
+    def copy_in(self, kind: str, x: DeviceBuffer | None, root: int, seq: int | None = None) -> None:
+        """Copy this rank's input into its workspace region A of call ``seq`` (default: this one)."""
+        if not self.copies_in(kind, root) or x is None or x.nbytes == 0:
             return
-        self._copy(self._region(self.rank, seq, 0, x.nbytes, _UINT8), x.flat(_UINT8))
+        self._copy(self._region(self.rank, self.seq if seq is None else seq, 0, x.nbytes, _UINT8), x.flat(_UINT8))
 
-    def _reduce(self, dst: Any, srcs: list[Any], eop: ReduceOp, op: ReduceOp, dst2: Any = None) -> None:
+    def _reduce(self, dst: Any, srcs: list[Any], engine_op: ReduceOp, op: ReduceOp, dst2: Any = None) -> None:
         divisor = self.world_size if op == ReduceOp.AVG else 0
         scratch = self._scratch_f32(dst.size) if np.dtype(dst.dtype) == FLOAT16 else None
-        kernels.reduce(dst, srcs, int(eop), divisor=divisor, dst2=dst2, scratch=scratch, stream=self.stream)
+        kernels.reduce(dst, srcs, int(engine_op), divisor=divisor, dst2=dst2, scratch=scratch, stream=self.stream)
 
-    def _ipc(
+    def ipc_step(
         self,
-        comm: Any,
+        phase: int,
         kind: str,
         x: DeviceBuffer | None,
         out: DeviceBuffer | None,
@@ -592,41 +355,44 @@ class DeviceEngine:
         dtype: np.dtype,
         op: ReduceOp,
         root: int,
-        deadline: float,
-    ) -> None:
+    ) -> int:
+        """Phase ``phase`` (0, then 1 after a MEET) of the IPC path, once every rank's input is in
+        its workspace; returns ``MEET`` when every rank must pass a barrier before the next phase,
+        else ``DONE``. Work is complete on the device when it returns."""
         n, r, seq = self.world_size, self.rank, self.seq
         block = count * dtype.itemsize
-        a_bytes = block * (n if kind in ("scatter", "reduce_scatter", "alltoall") else 1)
+        a_bytes = block * (n if collectives.get(kind).blocks_in else 1)
         a_u8 = [self._region(j, seq, 0, a_bytes, _UINT8) for j in range(n)]
         if collectives.get(kind).reducing:
-            edt, eop = engine_types(dtype, op)
+            engine_dtype, engine_op = engine_types(dtype, op)
             if dtype == FLOAT16:
-                edt = FLOAT16  # the kernel widens to float32 itself
-            a = [self._region(j, seq, 0, a_u8[j].size, edt) for j in range(n)]
+                engine_dtype = FLOAT16  # the kernel widens to float32 itself
+            a = [self._region(j, seq, 0, a_u8[j].size, engine_dtype) for j in range(n)]
         if kind == "allreduce":
             assert out is not None
-            res = out.flat(edt)
+            res = out.flat(engine_dtype)
             if block <= self.oneshot_bytes or n == 1:
-                self._reduce(res, a, eop, op)
+                self._reduce(res, a, engine_op, op)
             else:
                 # Chunk j of the result is reduced by rank j only; chunk bounds are the same on
                 # every rank, so every element has exactly one reducer.
                 bounds = [(j * count) // n for j in range(n + 1)]
                 lo, hi = bounds[r], bounds[r + 1]
-                b = [self._region(j, seq, _round_up(block), block, edt) for j in range(n)]
-                self._reduce(res[lo:hi], [aj[lo:hi] for aj in a], eop, op, dst2=b[r][lo:hi])
-                self._sync()
-                comm.barrier(timeout=_left(deadline))
+                b = [self._region(j, seq, _round_up(block), block, engine_dtype) for j in range(n)]
+                if phase == 0:
+                    self._reduce(res[lo:hi], [aj[lo:hi] for aj in a], engine_op, op, dst2=b[r][lo:hi])
+                    self.sync()
+                    return MEET
                 for j in range(n):
                     if j != r:
                         self._copy(res[bounds[j] : bounds[j + 1]], b[j][bounds[j] : bounds[j + 1]])
         elif kind == "reduce":
             if r == root:
                 assert out is not None
-                self._reduce(out.flat(edt), a, eop, op)
+                self._reduce(out.flat(engine_dtype), a, engine_op, op)
         elif kind == "reduce_scatter":
             assert out is not None
-            self._reduce(out.flat(edt), [aj[r * count : (r + 1) * count] for aj in a], eop, op)
+            self._reduce(out.flat(engine_dtype), [aj[r * count : (r + 1) * count] for aj in a], engine_op, op)
         elif kind == "broadcast":
             assert out is not None
             if r != root:
@@ -648,48 +414,23 @@ class DeviceEngine:
                 self._copy(dst[j * block : (j + 1) * block], a_u8[j][r * block : (r + 1) * block])
         else:
             raise ValueError(f"unknown collective {kind!r}")
-        self._sync()
+        self.sync()
+        return DONE
 
-    def _staging(
-        self,
-        comm: Any,
-        kind: str,
-        x: DeviceBuffer | None,
-        out: DeviceBuffer | None,
-        op: ReduceOp,
-        root: int,
-        algorithm: str,
-        deadline: float,
-    ) -> None:
-        s = self.stream
-        hx = None
-        if x is not None:
-            hx = np.empty(x.shape, x.dtype)
-            if x.nbytes:
-                x.array.copy_to_host(hx, stream=s)
-                s.synchronize()
-        hout = None if out is None else np.empty(out.shape, out.dtype)
-        kw = {"algorithm": algorithm, "timeout": _left(deadline)}
-        calls: dict[str, Callable[[], Any]] = {
-            "allreduce": lambda: comm.allreduce(hx, op, out=hout, **kw),
-            "reduce": lambda: comm.reduce(hx, root, op, out=hout, **kw),
-            "broadcast": lambda: comm.broadcast(hx if hx is not None else hout, root, out=hout, **kw),
-            "allgather": lambda: comm.allgather(hx, out=hout, **kw),
-            "gather": lambda: comm.gather(hx, root, out=hout, **kw),
-            "scatter": lambda: comm.scatter(hx, root, out=hout, **kw),
-            "reduce_scatter": lambda: comm.reduce_scatter(hx, op, out=hout, **kw),
-            "alltoall": lambda: comm.alltoall(hx, out=hout, **kw),
-        }
-        calls[kind]()
-        if out is not None and hout is not None and out.nbytes:
-            out.array.copy_to_device(hout, stream=s)
-            s.synchronize()
+    # staging through host memory
+    def to_host(self, buf: DeviceBuffer | None) -> np.ndarray | None:
+        if buf is None:
+            return None
+        host = np.empty(buf.shape, buf.dtype)
+        if buf.nbytes:
+            buf.array.copy_to_host(host, stream=self.stream)
+            self.stream.synchronize()
+        return host
 
-
-def _left(deadline: float) -> float:
-    # A spent deadline still calls the CPU collective, with a token timeout, so that the timeout
-    # is raised (and peers aborted) by the communicator exactly as on the numpy path.
-    return max(deadline - time.monotonic(), 1e-3)
+    def to_device(self, host: np.ndarray | None, buf: DeviceBuffer | None) -> None:
+        if buf is not None and host is not None and buf.nbytes:
+            buf.array.copy_to_device(host, stream=self.stream)
+            self.stream.synchronize()
 
 
 def _describe_row(row: np.ndarray) -> str:

@@ -103,6 +103,7 @@ NCOLS = 12
 ENTRY_START = 0  # a new call: claims the communicator's engine state
 ENTRY_RESUME = 1  # the claimed call, continued after a wait returned to Python
 ENTRY_NESTED = 2  # a new call inside a call made of several (object collectives, alloc, split)
+ENTRY_CLAIMED = 3  # a new call whose caller already claimed the engine state (see engine.cpu)
 
 NO_PEER = -1
 

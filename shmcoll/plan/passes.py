@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from shmcoll.algos.registry import Algorithm
+from shmcoll.plan.algorithm import AlgorithmLike as Algorithm
 from shmcoll.plan.builder import Context
 from shmcoll.plan.ir import Buf, CallPlan, Plan, Program, Region
 

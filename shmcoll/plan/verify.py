@@ -190,7 +190,7 @@ def _execute(
         if step.reduce:
             x = slot if (slot is not None and step.recv_left) else read(step.a)  # type: ignore[arg-type]
             y = slot if (slot is not None and not step.recv_left) else read(step.b)  # type: ignore[arg-type]
-            value = [("op", a, b) for a, b in zip(x, y, strict=True)]
+            value: list[Any] = [("op", a, b) for a, b in zip(x, y, strict=True)]
             if step.final:
                 value = [("avg", v) for v in value]
         elif slot is not None:

@@ -21,8 +21,17 @@ import os
 import numpy as np
 
 from shmcoll.errors import ShmcollError
+from shmcoll.jit import jit
 from shmcoll.shm import layout, liveness
-from shmcoll.shm.atomics import atomic_add, atomic_cas, read_word, write_word
+from shmcoll.shm.atomics import (
+    atomic_add,
+    atomic_cas,
+    compare_exchange,
+    futex_wake,
+    read_word,
+    store_release,
+    write_word,
+)
 from shmcoll.shm.layout import Layout
 from shmcoll.shm.segment import Segment, segment_name
 
@@ -57,6 +66,30 @@ class ArenaHandle:
 def _token_word(token: str) -> int:
     value = int(token, 16)
     return value - (1 << 64) if value >= (1 << 63) else value
+
+
+@jit
+def _raise_abort(ctrl, origin, code, peer, seq, sig, step, detail, own_seq, chan_base, nchannels):  # type: ignore[no-untyped-def]
+    """Fill the abort line (first caller wins) and wake every sleeper; True if this call was first.
+
+    The code word goes to -1 first (claimed, being filled) and gets its value last, with a
+    release store: whoever reads a code > 0 reads the filled line.
+    """
+    first = compare_exchange(ctrl, layout.AB_CODE, 0, -1) == 0
+    if first:
+        ctrl[layout.AB_ORIGIN] = origin
+        ctrl[layout.AB_PEER] = peer
+        ctrl[layout.AB_SEQ] = seq
+        ctrl[layout.AB_SIG] = sig
+        ctrl[layout.AB_STEP] = step
+        ctrl[layout.AB_DETAIL] = detail
+        ctrl[layout.AB_OWN_SEQ] = own_seq
+        store_release(ctrl, layout.AB_CODE, code)
+    for ch in range(nchannels):
+        cw = chan_base + ch * layout.CHANNEL_WORDS
+        futex_wake(ctrl, cw + layout.C_HEAD)
+        futex_wake(ctrl, cw + layout.C_TAIL)
+    return first
 
 
 def proc_stat(pid: int) -> tuple[str, int] | None:
@@ -208,6 +241,26 @@ class Arena:
         if stat is None or stat[0] in ("Z", "X") or stat[1] + 1 != start:
             return "dead"  # gone, a zombie, or the pid now belongs to another process
         return "alive"
+
+    def abort(
+        self,
+        origin: int,
+        code: int,
+        peer: int = -1,
+        seq: int = 0,
+        sig: int = 0,
+        step: int = 0,
+        detail: int = 0,
+        own_seq: int = 0,
+    ) -> bool:
+        """Raise the abort word (``origin`` -1: the launcher), waking every rank that sleeps on a
+        channel; returns whether this was the first abort. See ``layout`` for the fields."""
+        lay = self.layout
+        return bool(
+            _raise_abort(
+                self.ctrl, origin, code, peer, seq, sig, step, detail, own_seq, lay.channels_base_word, lay.nchannels
+            )
+        )
 
     def abort_info(self) -> dict[str, int]:
         return {

@@ -15,6 +15,9 @@ this), so all control-word traffic goes through these functions:
 - ``sched_yield``, ``futex_wait``, ``futex_wake``, ``monotonic_ns``: libc calls resolved by
   symbol name when the machine code is loaded, so they survive numba's on-disk cache (a ctypes
   function pointer would bake in one process's address).
+- ``address_as_pointer``: an address (an int64 from Python) as a typed pointer, so that the
+  engine can take the arrays that never change for a call shape as one table of addresses
+  instead of one argument each (numba unboxes every array argument, about 55 ns each).
 
 The futex works on 32-bit words. A waiter sleeps on the low half of a 64-bit counter (little
 endian: same address); any increment changes that half, so ``FUTEX_WAIT`` returns at once if
@@ -246,6 +249,19 @@ def monotonic_ns(typingctx):  # type: ignore[no-untyped-def]
         sec = builder.load(builder.gep(ts, [zero, zero]))
         nsec = builder.load(builder.gep(ts, [zero, ir.Constant(_i32, 1)]))
         return builder.add(builder.mul(sec, ir.Constant(_i64, 1_000_000_000)), nsec)
+
+    return sig, codegen
+
+
+@intrinsic
+def address_as_pointer(typingctx, address, like):  # type: ignore[no-untyped-def]
+    """``address`` as a pointer to elements of ``like``'s dtype (``like`` only gives the type)."""
+    if not isinstance(like, types.Array):
+        raise TypeError("like must be an array")
+    sig = types.CPointer(like.dtype)(types.int64, like)
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
 
     return sig, codegen
 

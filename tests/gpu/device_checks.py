@@ -181,15 +181,13 @@ def empty(shape: tuple[int, ...], dtype: np.dtype, foreign: bool) -> Any:
 
 
 def call_device(comm: Any, case: Case, x: np.ndarray, foreign: bool) -> np.ndarray | None:
-    """``cases.call`` on device arrays: through the Communicator's methods for foreign arrays
-    (the ``_foreign`` hook), through :func:`shmcoll.device.call` for numba's own."""
+    """``cases.call`` on device arrays, through the Communicator's methods: foreign (CAI-only)
+    arrays and numba's own take the same path."""
     n, r, c, k = comm.world_size, comm.rank, case.count, case.kind
 
     def run(name: str, arr: Any, **kw: Any) -> Any:
         kw["algorithm"] = case.algorithm
-        if foreign:
-            return getattr(comm, name)(arr, **kw)
-        return device.call(comm, name, arr, **kw)
+        return getattr(comm, name)(arr, **kw)
 
     def back(res: Any) -> np.ndarray | None:
         return None if res is None else to_host(res).reshape(-1)

@@ -54,13 +54,13 @@ def test_kernel_large_buffer(checks: Any) -> None:
 def _ipc_matrix(comm: Any) -> list[Any]:
     import device_checks
 
-    from shmcoll import device
+    from shmcoll.comm import device as device_path
 
     out = []
     for path, oneshot in (("auto", 16), ("auto", 1 << 20), ("staging", 16)):
         cases = device_checks.device_matrix(comm.world_size)
         fails, digests = device_checks.run_device_cases(comm, cases, path, oneshot)
-        out.append((path, oneshot, device._engine(comm).last_path, fails, digests))
+        out.append((path, oneshot, device_path._engine(comm).last_path, fails, digests))
     return out
 
 

@@ -4,12 +4,11 @@ Both data paths run: staging through host memory (what the simulator uses by def
 IPC protocol (workspaces, handshakes, double buffering, one-shot and reduce-scatter + allgather
 allreduce) over host shared memory standing in for CUDA IPC. Half the calls pass a foreign
 ``__cuda_array_interface__`` array through the Communicator's own methods, the other half
-numba's simulated device arrays through ``shmcoll.device.call``.
+numba's simulated device arrays, through the Communicator's methods too.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any
 
@@ -21,6 +20,7 @@ from numba import cuda
 
 import shmcoll
 from shmcoll import ReduceOp, device
+from shmcoll.comm import device as device_path
 from shmcoll.engine import cuda as engine
 
 # (path, oneshot_bytes, which cases). IPC runs the whole matrix with every allreduce above 16
@@ -63,16 +63,16 @@ def _grow_and_release(comm: Any) -> list[float]:
         sums = []
         for count in (3, 40, 700, 5, 2000):
             x = cuda.to_device(np.full(count, comm.rank + 1, np.float32))
-            comm_sum = device.call(comm, "allreduce", x)
+            comm_sum = comm.allreduce(x)
             host = comm_sum.copy_to_host()
             assert (host == sum(range(1, comm.world_size + 1))).all(), host[:4]
             sums.append(float(host.sum()))
-        eng = device._engine(comm)
+        eng = device_path._engine(comm)
         grown = eng._half
         device.release(comm)
         assert eng._views is None
         x = cuda.to_device(np.ones(10, np.float32))
-        device.call(comm, "allreduce", x)
+        comm.allreduce(x)
         assert (x.copy_to_host() == comm.world_size).all()
         sums.append(float(grown))
         return sums
@@ -169,7 +169,7 @@ def _p2p(comm: Any) -> list[float]:
             send, recv = comm.send, comm.recv
         else:
             dx, buf = cuda.to_device(x), cuda.device_array(5, np.float16)
-            send, recv = functools.partial(device.call, comm, "send"), functools.partial(device.call, comm, "recv")
+            send, recv = comm.send, comm.recv
         if r % 2 == 0:
             assert send(dx, dst=(r + 1) % n) is None
             res = recv(buf, src=(r - 1) % n)
@@ -220,9 +220,9 @@ def _mismatch(comm: Any) -> str:
     x = cuda.to_device(np.ones(4, np.float32))
     try:
         if comm.rank == 0:
-            device.call(comm, "allreduce", x)
+            comm.allreduce(x)
         else:
-            device.call(comm, "broadcast", x, root=0)
+            comm.broadcast(x, root=0)
     except shmcoll.CollectiveMismatchError as exc:
         return str(exc)
     return "no error"
@@ -240,7 +240,7 @@ def _timeout(comm: Any) -> str:
     x = cuda.to_device(np.ones(4, np.float32))
     start = time.monotonic()
     try:
-        device.call(comm, "allreduce", x, timeout=0.5)
+        comm.allreduce(x, timeout=0.5)
     except shmcoll.CollectiveTimeout:
         return f"timeout after {time.monotonic() - start:.1f}s"
     return "no error"
@@ -263,7 +263,7 @@ def _device_failure(comm: Any) -> str:
     x = cuda.to_device(np.ones(64, np.float32))
     start = time.monotonic()
     try:
-        device.call(comm, "allreduce", x, timeout=30)
+        comm.allreduce(x, timeout=30)
     except shmcoll.ShmcollError as exc:  # (a RuntimeError too: first)
         return f"{type(exc).__name__} after {time.monotonic() - start:.1f}s: {exc}"
     except RuntimeError as exc:

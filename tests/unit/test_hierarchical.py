@@ -8,7 +8,7 @@ import os
 import pytest
 
 from shmcoll import sim, topology
-from shmcoll.algos import registry, select
+from shmcoll.algos import closed_forms, registry, select
 from shmcoll.algos.hierarchical import groups
 from shmcoll.algos.registry import Query
 from shmcoll.plan.passes import channel_skeleton, plan_call
@@ -209,9 +209,9 @@ def test_auto_never_picks_hierarchical_on_one_group() -> None:
 
 
 def test_closed_form_equals_the_plans() -> None:
-    form = sim.closed_form("allreduce", "hierarchical", 4)
+    form = closed_forms.closed_form("allreduce", "hierarchical", 4)
     assert form is not None and form.holds_at(4 * 1024) and not form.holds_at(4 * 3)
-    assert sim.validate_closed_form(form, [16, 32, 64, 128, 256]) == []
+    assert closed_forms.validate_closed_form(form, [16, 32, 64, 128, 256]) == []
     model = sim.CostModel(5e-6, 25e9, inter_alpha_s=10e-6, inter_beta_Bps=5e9, group_size=4)
     p = sim.predict("allreduce", "hierarchical", 4 * 4096, 1 << 20, model)
     assert p.method == "closed form" and p.time_s

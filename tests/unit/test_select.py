@@ -9,16 +9,17 @@ import logging
 
 import pytest
 
-from shmcoll import config, sim
-from shmcoll.algos import registry, select
+from shmcoll import config
+from shmcoll.algos import closed_forms, registry, select
 from shmcoll.algos.registry import Algorithm, Query
 from shmcoll.algos.select import Measured, Rule, TuneTable, decide, parse_overrides
 from shmcoll.errors import UnsupportedError
+from shmcoll.plan import cost
 from shmcoll.plan.builder import Context, accumulate_in_rank_order
 from shmcoll.plan.ir import Buf
 
 KB, MB = 1 << 10, 1 << 20
-MODEL = sim.CostModel(alpha_s=2e-6, beta_Bps=4e9)
+MODEL = cost.CostModel(alpha_s=2e-6, beta_Bps=4e9)
 
 
 def two_hop(ctx: Context) -> None:
@@ -154,7 +155,10 @@ def test_model_picks_the_fastest_predicted(algos) -> None:  # type: ignore[no-un
     table = TuneTable(MODEL, 64 * KB, ())
     for count in (1, 1000, 1 << 20):
         d = decide(q(count), table=table, slot_bytes=64 * KB)
-        times = {a: sim.call_time(registry.get("allreduce", a), 4, count, 4, MODEL, 64 * KB) for a in ("direct", "ps")}
+        times = {
+            a: closed_forms.call_time(registry.get("allreduce", a), 4, count, 4, MODEL, 64 * KB)
+            for a in ("direct", "ps")
+        }
         assert d.reason == "model" and d.algorithm.name == min(times, key=times.get)  # type: ignore[arg-type]
 
 
@@ -180,7 +184,7 @@ def test_in_place_never_changes_the_choice(algos) -> None:  # type: ignore[no-un
 
 
 def test_fallback_when_nothing_can_predict(algos, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(sim, "call_time", lambda *args, **kw: None)
+    monkeypatch.setattr(closed_forms, "call_time", lambda *args, **kw: None)
     d = decide(q(16))
     assert (d.algorithm.name, d.reason) == ("direct", "fallback")
 
@@ -199,7 +203,7 @@ def test_a_plan_that_deadlocks_is_never_chosen(algos, monkeypatch, caplog) -> No
     bad = Algorithm("allreduce", "ps", deadlocks_with_one_slot, registry.one_slot, _always, "")
     monkeypatch.setitem(registry._REGISTRY, ("allreduce", "ps"), bad)
     with caplog.at_level(logging.WARNING, logger="shmcoll"):
-        d = decide(q(4, n=3), nslots=1, table=TuneTable(sim.CostModel(1e-6, 1e9, nslots=1), 64 * KB, ()))
+        d = decide(q(4, n=3), nslots=1, table=TuneTable(cost.CostModel(1e-6, 1e9, nslots=1), 64 * KB, ()))
     assert d.algorithm.name == "direct" and "ps not considered: simulated plan deadlocks" in caplog.text
 
 
@@ -221,7 +225,7 @@ def test_no_algorithm_serves(algos, monkeypatch) -> None:  # type: ignore[no-unt
 
 
 # --- the tune table ----------------------------------------------------------------------------
-def _table(times: dict[str, list[float]], sizes: list[int], n: int = 4, model: sim.CostModel = MODEL) -> TuneTable:
+def _table(times: dict[str, list[float]], sizes: list[int], n: int = 4, model: cost.CostModel = MODEL) -> TuneTable:
     entry = Measured("allreduce", n, tuple(sizes), {k: tuple(v) for k, v in times.items()})
     return TuneTable(model, 64 * KB, (entry,), "synthetic")
 
@@ -239,7 +243,7 @@ def test_ten_percent_rule(algos) -> None:  # type: ignore[no-untyped-def]
     """Whatever the model says, auto never picks an algorithm that measured >10% slower at a
     measured size: here the model prefers ps, the measurements direct."""
     sizes = [8, 512, 4 * KB, 32 * KB, 256 * KB, 2 * MB]
-    slow_model = sim.CostModel(alpha_s=1e-3, beta_Bps=1e6)  # direct's n-1 copies look terrible
+    slow_model = cost.CostModel(alpha_s=1e-3, beta_Bps=1e6)  # direct's n-1 copies look terrible
     model_pick = {s: decide(q(s // 4), table=TuneTable(slow_model, 64 * KB, ())).algorithm.name for s in sizes}
     assert "ps" in model_pick.values()
     direct = [1e-6 * (1 + s / 1000) for s in sizes]
@@ -258,7 +262,7 @@ def test_model_interpolates_between_measured_sizes(algos) -> None:  # type: igno
     factor = {"direct": 3.0, "ps": 1.0}
 
     def model_s(name: str, nbytes: int) -> float:
-        return sim.call_time(registry.get("allreduce", name), 4, nbytes // 4, 4, MODEL, 64 * KB)  # type: ignore[return-value]
+        return closed_forms.call_time(registry.get("allreduce", name), 4, nbytes // 4, 4, MODEL, 64 * KB)  # type: ignore[return-value]
 
     table = _table({a: [factor[a] * model_s(a, s) for s in sizes] for a in factor}, sizes)
     for nbytes in (4 * KB, 200 * KB, 1 * MB, 16 * MB):

@@ -9,9 +9,12 @@ from fractions import Fraction
 
 import pytest
 
-from shmcoll import sim
+from shmcoll import sim, units
+from shmcoll.algos import closed_forms as fit
 from shmcoll.algos import registry
 from shmcoll.algos.registry import Algorithm, Query
+from shmcoll.collectives import COLLECTIVES
+from shmcoll.plan import cost
 from shmcoll.plan.builder import Context, accumulate_in_rank_order, split
 from shmcoll.plan.ir import Buf
 from shmcoll.plan.passes import plan_call
@@ -117,9 +120,9 @@ TEST_ALGORITHMS = {
 
 
 def _clear_caches() -> None:
-    sim.plan_time.cache_clear()
-    sim.plan_figures.cache_clear()
-    sim.closed_form.cache_clear()
+    cost.plan_time.cache_clear()
+    fit.plan_figures.cache_clear()
+    fit.closed_form.cache_clear()
 
 
 @pytest.fixture(scope="module")
@@ -139,10 +142,10 @@ def textbook():  # type: ignore[no-untyped-def]
     _clear_caches()
 
 
-MODEL = sim.CostModel(alpha_s=5e-6, beta_Bps=25e9)
+MODEL = cost.CostModel(alpha_s=5e-6, beta_Bps=25e9)
 
 
-def _time(name: str, n: int, size: int, model: sim.CostModel = MODEL, **kw) -> float:  # type: ignore[no-untyped-def]
+def _time(name: str, n: int, size: int, model: cost.CostModel = MODEL, **kw) -> float:  # type: ignore[no-untyped-def]
     p = sim.predict("allreduce", name, n, size, model, **kw)
     assert p.time_s is not None, p.note
     return p.time_s
@@ -150,33 +153,33 @@ def _time(name: str, n: int, size: int, model: sim.CostModel = MODEL, **kw) -> f
 
 # --- units and the model ---------------------------------------------------------------------
 def test_parse_time_and_bandwidth() -> None:
-    assert sim.parse_time("5us") == pytest.approx(5e-6)
-    assert sim.parse_time("1.5 ms") == pytest.approx(1.5e-3)
-    assert sim.parse_time("2e-6") == pytest.approx(2e-6)
-    assert sim.parse_time("100ns") == pytest.approx(1e-7)
-    assert sim.parse_bandwidth("25GB/s") == 25e9
-    assert sim.parse_bandwidth("10GiB/s") == 10 * 2**30
-    assert sim.parse_bandwidth("500 MB/s") == 5e8
-    assert sim.parse_bandwidth("1e9") == 1e9
+    assert units.parse_time("5us") == pytest.approx(5e-6)
+    assert units.parse_time("1.5 ms") == pytest.approx(1.5e-3)
+    assert units.parse_time("2e-6") == pytest.approx(2e-6)
+    assert units.parse_time("100ns") == pytest.approx(1e-7)
+    assert units.parse_bandwidth("25GB/s") == 25e9
+    assert units.parse_bandwidth("10GiB/s") == 10 * 2**30
+    assert units.parse_bandwidth("500 MB/s") == 5e8
+    assert units.parse_bandwidth("1e9") == 1e9
     for bad in ("fast", "5 parsecs", "-1us", ""):
         with pytest.raises(ValueError, match="time"):
-            sim.parse_time(bad)
+            units.parse_time(bad)
     for bad in ("0GB/s", "quick", "5 GB/h"):
         with pytest.raises(ValueError, match="bandwidth"):
-            sim.parse_bandwidth(bad)
+            units.parse_bandwidth(bad)
 
 
 def test_cost_model_rejects_nonsense() -> None:
     with pytest.raises(ValueError, match="beta"):
-        sim.CostModel(1e-6, 0)
+        cost.CostModel(1e-6, 0)
     with pytest.raises(ValueError, match="alpha"):
-        sim.CostModel(-1e-6, 1e9)
+        cost.CostModel(-1e-6, 1e9)
     with pytest.raises(ValueError, match="group size"):
-        sim.CostModel(1e-6, 1e9, inter_alpha_s=1e-5)
+        cost.CostModel(1e-6, 1e9, inter_alpha_s=1e-5)
     with pytest.raises(ValueError, match="nslots"):
-        sim.CostModel(1e-6, 1e9, nslots=0)
-    m = sim.CostModel(1e-6, 1e9, inter_beta_Bps=1e8, group_size=4)
-    assert sim.CostModel.from_dict(m.to_dict()) == m
+        cost.CostModel(1e-6, 1e9, nslots=0)
+    m = cost.CostModel(1e-6, 1e9, inter_beta_Bps=1e8, group_size=4)
+    assert cost.CostModel.from_dict(m.to_dict()) == m
 
 
 def test_test_only_algorithms_are_valid_plans(textbook) -> None:  # type: ignore[no-untyped-def]
@@ -196,7 +199,7 @@ def test_point_to_point_costs_alpha_plus_both_copies() -> None:
     """One message: the sender is busy b/beta, it arrives alpha later, the receiver copies b/beta."""
     alpha, beta, nbytes = 3e-6, 2e9, 4000
     plan = plan_call(registry.get("p2p", "direct"), 2, nbytes, 1 << 20, root=0, peer=1)
-    got = sim.simulate(plan, 1, sim.CostModel(alpha, beta)).time_s
+    got = cost.simulate(plan, 1, cost.CostModel(alpha, beta)).time_s
     assert got == pytest.approx(alpha + 2 * nbytes / beta)
 
 
@@ -205,7 +208,7 @@ def test_bounded_slots_throttle_a_latency_bound_stream() -> None:
     pieces, alpha = 40, 1e-6
     plan = plan_call(registry.get("p2p", "direct"), 2, pieces, 1, root=0, peer=1)
     for nslots in (1, 2, 4):
-        t = sim.simulate(plan, 1, sim.CostModel(alpha, math.inf, nslots=nslots)).time_s
+        t = cost.simulate(plan, 1, cost.CostModel(alpha, math.inf, nslots=nslots)).time_s
         assert t == pytest.approx(alpha * math.ceil(pieces / nslots), rel=1e-9)
 
 
@@ -217,8 +220,8 @@ def test_extrapolated_time_equals_the_full_simulation(collective: str) -> None:
         for reps in (9, 17, 41, 97):
             plan = plan_call(alg, n, reps * 5 + 2, 5)
             assert plan.reps == reps
-            full, _ = sim.run_compiled(sim.compile_plan(plan.body, 4), sim.compile_plan(plan.tail, 4), reps, costs)
-            got = sim.simulate(plan, 4, costs)
+            full, _ = cost.run_compiled(cost.compile_plan(plan.body, 4), cost.compile_plan(plan.tail, 4), reps, costs)
+            got = cost.simulate(plan, 4, costs)
             assert got.exact and (reps < 41 or got.simulated_pieces <= 33)
             assert got.time_s == pytest.approx(full, rel=1e-12)
 
@@ -226,11 +229,13 @@ def test_extrapolated_time_equals_the_full_simulation(collective: str) -> None:
 def test_extrapolation_on_pipelined_ring(textbook) -> None:  # type: ignore[no-untyped-def]
     alg = registry.get("allreduce", "ring")
     for nslots in (2, 4):
-        costs = sim.CostModel(2e-6, 1e9, nslots=nslots).costs()
+        costs = cost.CostModel(2e-6, 1e9, nslots=nslots).costs()
         for n in (3, 6):
             plan = plan_call(alg, n, 40 * n * 3 + 7, 3)
-            full, _ = sim.run_compiled(sim.compile_plan(plan.body, 4), sim.compile_plan(plan.tail, 4), plan.reps, costs)
-            assert sim.simulate(plan, 4, costs).time_s == pytest.approx(full, rel=1e-12)
+            full, _ = cost.run_compiled(
+                cost.compile_plan(plan.body, 4), cost.compile_plan(plan.tail, 4), plan.reps, costs
+            )
+            assert cost.simulate(plan, 4, costs).time_s == pytest.approx(full, rel=1e-12)
 
 
 def test_traffic_counts_every_message() -> None:
@@ -243,7 +248,7 @@ def test_traffic_counts_every_message() -> None:
 # --- textbook results ------------------------------------------------------------------------
 def test_ring_time_is_bandwidth_optimal_and_nearly_independent_of_n(textbook) -> None:  # type: ignore[no-untyped-def]
     big = 1 * GB
-    model = sim.CostModel(alpha_s=1e-6, beta_Bps=25e9)
+    model = cost.CostModel(alpha_s=1e-6, beta_Bps=25e9)
     times = {n: _time("ring", n, big, model, slot_bytes=16 * MB) for n in (4, 8, 16, 32)}
     for n, t in times.items():
         # Textbook: 2(n-1)/n V/beta. The model also charges the copy out of the last chunk
@@ -293,8 +298,8 @@ def test_direct_costs_grow_linearly_with_n() -> None:
 
 
 def test_slow_links_between_groups(textbook) -> None:  # type: ignore[no-untyped-def]
-    flat = sim.CostModel(alpha_s=1e-6, beta_Bps=25e9)
-    nodes = sim.CostModel(alpha_s=1e-6, beta_Bps=25e9, inter_alpha_s=10e-6, inter_beta_Bps=5e9, group_size=4)
+    flat = cost.CostModel(alpha_s=1e-6, beta_Bps=25e9)
+    nodes = cost.CostModel(alpha_s=1e-6, beta_Bps=25e9, inter_alpha_s=10e-6, inter_beta_Bps=5e9, group_size=4)
     one_node = _time("ring", 4, 16 * MB, nodes)
     assert one_node == pytest.approx(_time("ring", 4, 16 * MB, flat))  # no inter-group message at all
     assert _time("ring", 16, 16 * MB, nodes) > 3 * _time("ring", 16, 16 * MB, flat)
@@ -310,11 +315,11 @@ def test_fit_recovers_formulas_and_refuses_others() -> None:
         "n^2 - n": lambda n: Fraction(n * n - n),
     }
     for text, f in cases.items():
-        formula = sim.fit({n: f(n) for n in ns})
+        formula = fit.fit({n: f(n) for n in ns})
         assert formula is not None and str(formula) == text
         assert all(formula(n) == f(n) for n in (100, 1000, 12345))
-    assert sim.fit({n: Fraction(bin(n).count("1")) for n in ns}) is None
-    assert sim.fit({3: Fraction(1), 4: Fraction(7)}) is None  # too few points to trust any fit
+    assert fit.fit({n: Fraction(bin(n).count("1")) for n in ns}) is None
+    assert fit.fit({3: Fraction(1), 4: Fraction(7)}) is None  # too few points to trust any fit
 
 
 def _validation_ns(limit: int) -> list[int]:
@@ -326,10 +331,10 @@ def _check_every_registered_closed_form(limit: int, collectives: tuple[str, ...]
     for alg in registry.algorithms():
         if alg.collective not in collectives:
             continue
-        form = sim.closed_form(alg.collective, alg.name)
+        form = fit.closed_form(alg.collective, alg.name)
         if form is None:
             continue
-        assert sim.validate_closed_form(form, range(3, limit + 1)) == []
+        assert fit.validate_closed_form(form, range(3, limit + 1)) == []
         checked += 1
     return checked
 
@@ -341,14 +346,14 @@ def test_closed_forms_equal_the_plans_for_every_registered_allreduce(textbook) -
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("collective", sim.SIMULATED_COLLECTIVES)
+@pytest.mark.parametrize("collective", COLLECTIVES)
 def test_closed_forms_equal_the_plans_up_to_the_limit(textbook, collective: str) -> None:  # type: ignore[no-untyped-def]
     """Every registered algorithm of every collective, every n from 3 to EXACT_LIMIT (minutes)."""
-    assert _check_every_registered_closed_form(sim.EXACT_LIMIT, (collective,)) >= 1
+    assert _check_every_registered_closed_form(cost.EXACT_LIMIT, (collective,)) >= 1
 
 
 def test_textbook_closed_forms(textbook) -> None:  # type: ignore[no-untyped-def]
-    forms = {name: sim.closed_form("allreduce", name) for name in ("direct", "ring", "dbtree", "ps")}
+    forms = {name: fit.closed_form("allreduce", name) for name in ("direct", "ring", "dbtree", "ps")}
     assert all(f is not None for f in forms.values())
     figs = {name: dict((k, str(v)) for k, v in f.formulas) for name, f in forms.items()}  # type: ignore[union-attr]
     assert figs["ring"]["rounds"] == "2 n - 2"
@@ -359,11 +364,11 @@ def test_textbook_closed_forms(textbook) -> None:  # type: ignore[no-untyped-def
 
 
 def test_validation_catches_a_wrong_closed_form(textbook) -> None:  # type: ignore[no-untyped-def]
-    form = sim.closed_form("allreduce", "ring")
+    form = fit.closed_form("allreduce", "ring")
     assert form is not None
-    wrong = tuple((k, sim.Formula((("n", Fraction(2)),))) if k == "rounds" else (k, f) for k, f in form.formulas)
-    bad = sim.ClosedForm(form.collective, form.algorithm, None, form.nslots, form.domain, form.member, wrong)
-    problems = sim.validate_closed_form(bad, range(3, 8))
+    wrong = tuple((k, fit.Formula((("n", Fraction(2)),))) if k == "rounds" else (k, f) for k, f in form.formulas)
+    bad = fit.ClosedForm(form.collective, form.algorithm, None, form.nslots, form.domain, form.member, wrong)
+    problems = fit.validate_closed_form(bad, range(3, 8))
     assert len(problems) == 5 and "rounds" in problems[0]
 
 
@@ -377,7 +382,7 @@ def test_closed_form_prediction_is_close_to_the_plan(textbook) -> None:  # type:
 
 
 def test_no_closed_form_means_too_large_to_simulate(textbook) -> None:  # type: ignore[no-untyped-def]
-    assert sim.closed_form("allreduce", "pairwise") is None
+    assert fit.closed_form("allreduce", "pairwise") is None
     p = sim.predict("allreduce", "pairwise", 1024, 1 * MB, MODEL)
     assert p.time_s is None and "n too large to simulate" in p.note
     assert sim.predict("allreduce", "pairwise", 64, 1 * MB, MODEL).time_s is not None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shmcoll import config
+from shmcoll import config, units
 from shmcoll.shm import layout
 from shmcoll.types import DTYPES, ReduceOp, engine_types, supports, valid_ops
 
@@ -32,16 +32,16 @@ def test_engine_types() -> None:
 
 
 def test_parse_size() -> None:
-    assert config.parse_size("64K") == 65536
-    assert config.parse_size("1M") == 1 << 20
-    assert config.parse_size("2GiB") == 2 << 30
-    assert config.parse_size("8") == 8
-    assert config.parse_size("8B") == 8
-    assert config.parse_size(12) == 12
-    assert config.format_size(65536) == "64K"
-    assert config.format_size(100) == "100"
+    assert units.parse_size("64K") == 65536
+    assert units.parse_size("1M") == 1 << 20
+    assert units.parse_size("2GiB") == 2 << 30
+    assert units.parse_size("8") == 8
+    assert units.parse_size("8B") == 8
+    assert units.parse_size(12) == 12
+    assert units.format_size(65536) == "64K"
+    assert units.format_size(100) == "100"
     with pytest.raises(ValueError, match="not a size"):
-        config.parse_size("lots")
+        units.parse_size("lots")
 
 
 def test_config_from_environment() -> None:

@@ -1,0 +1,198 @@
+"""Call shapes: what a call needs that does not change from one call to the next, built once.
+
+A *call shape* is a collective with its dtype, count, op, root, algorithm, in-place mode and
+buffer kind. The first call of a shape validates what depends only on the shape (dtype, op,
+root, algorithm), chooses the algorithm, builds the plan, verifies it when asked, encodes this
+rank's program and sizes the scratch; later calls of the shape find all of it in a dict.
+
+A bound call (:data:`Bound`) is one call: its shape plus the arrays the engine reads and writes
+this time, and what the method returns. The blocking, nonblocking and persistent forms of a method differ
+only in what they do with it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from shmcoll import collectives
+from shmcoll.algos import registry
+from shmcoll.algos.registry import ALGORITHM_NAMES, Query
+from shmcoll.algos.select import choose
+from shmcoll.comm import arrays, groups
+from shmcoll.engine import cpu as engine
+from shmcoll.plan import ir
+from shmcoll.plan.passes import plan_call
+from shmcoll.plan.verify import verify
+from shmcoll.types import BOOL, FLOAT16, ReduceOp, engine_types
+
+log = logging.getLogger("shmcoll")
+
+MAX_CACHED = 512  # call shapes kept per communicator
+_UINT16 = np.dtype(np.uint16)
+_UINT8 = np.dtype(np.uint8)
+
+
+class Call:
+    """Everything the run loop needs for one call shape.
+
+    The encoded program is kept once per way the engine may enter it (``ir.ENTRY_*``): ``prog``
+    starts a call, ``prog_nested`` starts one inside a call made of several (which holds the
+    communicator), ``prog_claimed`` starts one whose caller claimed the state already, and
+    ``prog_resume`` continues a started call; only the thread that started a call ever uses the
+    last one. Each has its table of handles (``engine.cpu.handles_for``), which is what the run
+    loop passes to the engine: ``start``, ``nested``, ``claimed`` and ``resume``.
+
+    ``engine_dtype`` is what the engine moves and reduces (bool as uint8, float16 as float32 when
+    it reduces, else as uint16); ``widened`` marks a float16 reduction, which runs on float32
+    copies of the buffers; ``no_buffer`` is the empty array the engine gets where a rank has no
+    input or output.
+    """
+
+    __slots__ = (
+        "prog",
+        "prog_resume",
+        "prog_nested",
+        "prog_claimed",
+        "start",
+        "nested",
+        "claimed",
+        "resume",
+        "engine_dtype",
+        "data",
+        "tmp",
+        "widened",
+        "sig",
+        "kind",
+        "label",
+        "no_buffer",
+        "count",
+        "registered",
+        "special",
+    )
+
+    def __init__(
+        self,
+        prog: np.ndarray,
+        engine_dtype: np.dtype,
+        data: np.ndarray,
+        tmp: np.ndarray,
+        widened: bool,
+        sig: int,
+        kind: str,
+        label: str,
+        count: int,
+        registered: bool,
+        ctrl: np.ndarray,
+        state: np.ndarray,
+    ) -> None:
+        self.prog = prog
+        self.prog_resume = ir.with_entry(prog, ir.ENTRY_RESUME)
+        self.prog_nested = ir.with_entry(prog, ir.ENTRY_NESTED)
+        self.prog_claimed = ir.with_entry(prog, ir.ENTRY_CLAIMED)
+        self.start = engine.handles_for(self.prog, tmp, data, ctrl, state)
+        self.nested = engine.handles_for(self.prog_nested, tmp, data, ctrl, state)
+        self.claimed = engine.handles_for(self.prog_claimed, tmp, data, ctrl, state)
+        self.resume = engine.handles_for(self.prog_resume, tmp, data, ctrl, state)
+        self.engine_dtype = engine_dtype
+        self.data = data
+        self.tmp = tmp
+        self.widened = widened
+        self.sig = sig
+        self.kind = kind
+        self.label = label
+        self.no_buffer = np.empty(0, dtype=engine_dtype)
+        self.count = count
+        self.registered = registered
+        self.special = widened or registered  # its engine arrays are made once it holds the state
+
+
+Bound = tuple
+"""One call, as the binders make it: ``(call, inp, res, result, out, placement, x)``.
+
+``call`` is the call shape; ``inp``/``res`` the engine's arrays (1-d views in the engine dtype),
+or None for a call that makes them only once it holds the state (copies, or a zero-copy
+``placement``) from the caller's ``x`` and ``out``; ``out`` also receives a float16
+reduction's result, copied back from float32; ``result`` is what the method returns. A plain
+tuple because one is made per call: it costs a quarter of a slotted object.
+"""
+
+
+def engine_types_for(kind: str, dtype: np.dtype, op: ReduceOp) -> tuple[np.dtype, ReduceOp, bool]:
+    """(engine dtype, engine op, widened) for a call of ``kind`` on ``dtype``."""
+    if collectives.get(kind).reducing:
+        engine_dtype, engine_op = engine_types(dtype, op)
+        return engine_dtype, engine_op, dtype == FLOAT16
+    return (_UINT8 if dtype == BOOL else (_UINT16 if dtype == FLOAT16 else dtype)), ReduceOp.SUM, False
+
+
+def prepare(
+    rt: Any,
+    kind: str,
+    dtype: np.dtype,
+    count: int,
+    *,
+    op: Any = ReduceOp.SUM,
+    algorithm: str = "auto",
+    inplace: bool = False,
+    root: int = 0,
+    peer: int = 0,
+    p2p_peer: int = ir.NO_PEER,
+    p2p_send: bool = False,
+    registered: bool = False,
+) -> Call:
+    """Validate a call shape and build, encode and size its plan (``rt``: the runtime)."""
+    rt._check_usable()
+    record = collectives.get(kind)
+    arrays.check_dtype(dtype)
+    if record.rooted:
+        arrays.check_root(root, rt.world_size)
+    arrays.check_algorithm(algorithm)
+    reduce_op = arrays.check_op(op, dtype) if record.reducing else ReduceOp.SUM
+    engine_dtype, engine_op, widened = engine_types_for(kind, dtype, reduce_op)
+    blocks = rt.world_size if record.blocked else 1
+    arrays.check_fits(kind, count * blocks * dtype.itemsize, rt._mem_total)
+    if widened:
+        inplace = False  # float16 reduces through float32 scratch, never the user's buffers
+    query = Query(kind, rt.world_size, count, engine_dtype.itemsize, root=root, inplace=inplace, registered=registered)
+    lay = rt._arena.layout
+    options: dict[str, object] | None = None
+    if record.internal:
+        alg = registry.get(kind, "direct")
+    else:
+        group_size = groups.group_size(rt)
+        alg = choose(query, algorithm, slot_bytes=lay.slot_bytes, nslots=lay.nslots, group_size=group_size)
+        if alg.name == "hierarchical":
+            options = {"group_size": group_size}
+    slot_capacity = lay.slot_bytes // engine_dtype.itemsize
+    plan = plan_call(
+        alg,
+        rt.world_size,
+        count,
+        slot_capacity,
+        root=root,
+        inplace=inplace,
+        peer=peer,
+        options=options,
+        nslots=lay.nslots,
+    )
+    if rt._verify:
+        verify(plan, world_size=rt.world_size, count=count, root=root, inplace=inplace, nslots=lay.nslots, peer=peer)
+    sig = ir.pack_sig(kind, alg.code, dtype, int(reduce_op), root if kind != "p2p" else 0, count)
+    zero_copy = alg.name == "zerocopy"
+    prog = ir.encode(plan, rt.rank, lay.channel, int(engine_op), sig, p2p_peer, p2p_send, zero_copy)
+    tmp = rt._scratch_array("tmp", engine_dtype, plan.tmp_count)
+    label = ir.describe_sig(sig, ALGORITHM_NAMES)
+    rt._log.info(
+        "%s: algorithm %s, %d piece(s) of %d + tail %d, %d scratch elements",
+        label,
+        alg.name,
+        plan.reps,
+        plan.piece,
+        plan.tail.count,
+        plan.tmp_count,
+    )
+    data = rt._arena.view(engine_dtype)
+    return Call(prog, engine_dtype, data, tmp, widened, sig, kind, label, count, zero_copy, rt._ctrl, rt._state)

@@ -1,0 +1,261 @@
+"""Why a call failed, as the arena shows it, turned into the exception every rank raises.
+
+Only this module (and the run loop that calls it) turns engine statuses into exceptions. Each
+``fail_*`` function raises the abort word first, so the other ranks stop within milliseconds,
+marks the communicator broken, and raises with the rank, the peer, the collective, its call
+number and its step in the message. The diagnoses read the rank records and the abort line of
+the arena (``shm/layout``) and ``/proc``; they run only once a call is already failing.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from shmcoll.algos.registry import ALGORITHM_NAMES
+from shmcoll.collectives import KIND_CODE
+from shmcoll.comm.calls import Call
+from shmcoll.engine import cpu as engine
+from shmcoll.errors import CollectiveMismatchError, CollectiveTimeout, CommunicatorBrokenError, PeerLostError
+from shmcoll.plan import ir
+from shmcoll.shm import layout
+from shmcoll.shm.arena import proc_stat
+
+_P2P_KIND = KIND_CODE["p2p"]
+ABORT_REASONS = {
+    layout.ABORT_USER: "abort() was called",
+    layout.ABORT_TIMEOUT: "a collective timed out",
+    layout.ABORT_PEER_LOST: "a peer process died",
+    layout.ABORT_MISMATCH: "ranks called mismatched collectives",
+    layout.ABORT_ERROR: "failed (an error on that rank, in its own code or its device work)",
+}
+
+Runtime = Any  # comm.runtime.Runtime (which imports this module)
+
+
+def call_number(rt: Runtime) -> int:
+    """The number of the call this rank is in (or last started)."""
+    return int(rt._state[engine.S_TAG_SEQ])
+
+
+def wait_step(rt: Runtime) -> int:
+    """The step the current call waited at."""
+    return int(rt._state[engine.S_WAIT_STEP])
+
+
+def call_text(rt: Runtime, call: Call) -> str:
+    """``allreduce(...) (call #N, step S)``, for messages."""
+    if int(rt._state[engine.S_ACTIVE]) == 0:  # stopped at the start: the call has no number yet
+        return f"{call.label} (call #{next_seq(rt, call)}, before its first step)"
+    return f"{call.label} (call #{call_number(rt)}, step {wait_step(rt)})"
+
+
+def next_seq(rt: Runtime, call: Call) -> int:
+    """The number the call would have had, had it started."""
+    if call.kind != "p2p":
+        return int(rt._state[engine.S_SEQ]) + 1
+    head = call.prog[0]
+    peer = int(head[ir.HD_P2P_PEER])
+    slot = engine.S_P2P_BASE + (peer if head[ir.HD_P2P_SEND] else rt._world_size + peer)
+    return int(rt._state[slot]) + 1
+
+
+def lost_peer(rt: Runtime) -> tuple[int, str] | None:
+    """A peer this rank cannot finish without: the awaited one if gone, or any that died
+    in the middle of a call. A peer that left *because of an abort* is never the answer: the
+    abort word names the cause, and the caller reads it first."""
+    waited = int(rt._state[engine.S_WAIT_PEER])
+    for peer in range(rt._world_size):
+        if peer == rt._rank:
+            continue
+        status = rt._arena.peer_status(peer)
+        if status in ("alive", "absent"):
+            continue
+        mid_call = rt._arena.rank_field(peer, layout.R_STATE) == layout.STATE_IN_CALL
+        if peer == waited or mid_call or status == "failed":
+            # A rank raises the abort word before it marks itself failed or leaves, so having
+            # seen that mark, this load sees the abort if there was one.
+            if rt._arena.word(layout.AB_CODE) != 0:
+                return None
+            return peer, status
+    return None
+
+
+def fail_peer_lost(rt: Runtime, call: Call, peer: int, status: str) -> None:
+    pid = rt._arena.rank_field(peer, layout.R_PID)
+    how = {
+        "dead": f"its process (pid {pid}) is gone",
+        "exited": "it closed its communicator",
+        "failed": "it failed and left",
+    }.get(status, status)
+    msg = f"rank {rt._rank}: peer rank {peer} was lost during {call_text(rt, call)}: {how}"
+    rt._arena.abort(rt._rank, layout.ABORT_PEER_LOST, peer, call_number(rt), call.sig, wait_step(rt), 0, 0)
+    rt._broken = msg
+    raise PeerLostError(msg, dead_rank=peer)
+
+
+def activity(rt: Runtime, rank: int, seq: int) -> str:
+    """What ``rank`` is doing, relative to this rank's call number ``seq``."""
+    a = rt._arena
+    if a.rank_field(rank, layout.R_PID) == 0:
+        return f"rank {rank}: never connected"
+    state = a.rank_field(rank, layout.R_STATE)
+    last = ir.describe_sig(a.rank_field(rank, layout.R_DONE_SIG), ALGORITHM_NAMES)
+    done = f"last completed {last} #{a.rank_field(rank, layout.R_DONE_SEQ)}"
+    if state == layout.STATE_IN_CALL:
+        cur = ir.describe_sig(a.rank_field(rank, layout.R_CUR_SIG), ALGORITHM_NAMES)
+        cur_seq, step = a.rank_field(rank, layout.R_CUR_SEQ), a.rank_field(rank, layout.R_CUR_STEP)
+        where = "arrived" if cur_seq == seq else "not arrived"
+        return f"rank {rank}: {where}, in {cur} #{cur_seq} (step {step}); {done}"
+    name = {layout.STATE_IDLE: "not in a call", layout.STATE_EXITED: "closed", layout.STATE_FAILED: "failed"}.get(
+        state, "?"
+    )
+    return f"rank {rank}: not arrived ({name}); {done}"
+
+
+def activities(rt: Runtime) -> str:
+    seq = call_number(rt)
+    return "; ".join(activity(rt, r, seq) for r in range(rt._world_size) if r != rt._rank)
+
+
+def holdup(rt: Runtime, waited: int) -> tuple[int, str]:
+    """The rank a timed-out call is really waiting for, and why, as far as the arena shows: a
+    stopped process first (``SIGSTOP``, a debugger), else the end of the chain of ranks each
+    waiting for the next, starting at the one this rank waits for."""
+    for peer in range(rt._world_size):
+        if peer == rt._rank:
+            continue
+        pid = rt._arena.rank_field(peer, layout.R_PID)
+        stat = proc_stat(pid) if pid > 0 else None
+        if stat is not None and stat[0] in ("T", "t"):
+            return peer, f"its process (pid {pid}) is stopped (SIGSTOP, or a debugger)"
+    peer, seen = waited, {rt._rank}
+    while 0 <= peer < rt._world_size and peer not in seen:
+        seen.add(peer)
+        if rt._arena.rank_field(peer, layout.R_PID) == 0:
+            return peer, "it never connected"
+        if rt._arena.rank_field(peer, layout.R_STATE) != layout.STATE_IN_CALL:
+            return peer, "it has not arrived"
+        nxt = rt._arena.rank_field(peer, layout.R_WAIT_PEER)
+        if nxt < 0 or nxt in seen:
+            return peer, "it is in a call and not waiting: busy, or stuck"
+        peer = nxt
+    return waited, ""
+
+
+def fail_timeout(rt: Runtime, call: Call, limit: float) -> None:
+    waited = int(rt._state[engine.S_WAIT_PEER])
+    culprit, why = holdup(rt, waited)
+    chain = "" if culprit == waited else f" (which waits, in turn, for rank {culprit})"
+    cause = f": rank {culprit} {why}" if why else ""
+    peers = activities(rt)
+    msg = (
+        f"rank {rt._rank}: {call_text(rt, call)} timed out after {limit:g}s waiting for rank {waited}"
+        f"{chain}{cause}. Peers: {peers}"
+    )
+    rt._arena.abort(rt._rank, layout.ABORT_TIMEOUT, culprit, call_number(rt), call.sig, wait_step(rt), 0, 0)
+    rt._broken = msg
+    raise CollectiveTimeout(msg)
+
+
+def check_awaited_call(rt: Runtime, call: Call) -> None:
+    """Mismatch that no message can reveal: both ranks wait to receive (two ranks that each
+    believe they are a reduce's root). Seen in the awaited peer's record: same call number,
+    different call."""
+    if call.kind == "p2p":
+        return  # point-to-point numbers count per channel: not comparable with the record's
+    peer = int(rt._state[engine.S_WAIT_PEER])
+    if not 0 <= peer < rt._world_size or peer == rt._rank:
+        return
+    a = rt._arena
+    if a.rank_field(peer, layout.R_STATE) != layout.STATE_IN_CALL:
+        return
+    their_seq, their_sig = a.rank_field(peer, layout.R_CUR_SEQ), a.rank_field(peer, layout.R_CUR_SIG)
+    if their_seq == call_number(rt) and their_sig != call.sig and ir.unpack_sig(their_sig)["kind"] != _P2P_KIND:
+        fail_mismatch(rt, call, peer, their_seq, their_sig, wait_step(rt))
+
+
+def fail_placement(rt: Runtime, call: Call) -> None:
+    peer = int(rt._state[engine.S_ERR_PEER])
+    msg = (
+        f"rank {rt._rank}: {call.label} (call #{call_number(rt)}): rank {peer} passed its buffer from another "
+        f"place (another comm.alloc allocation, or another offset in it) than this rank did: zero-copy "
+        f"collectives read each peer's buffer at the same place as their own"
+    )
+    number = call_number(rt)
+    rt._arena.abort(rt._rank, layout.ABORT_MISMATCH, peer, number, call.sig, wait_step(rt), call.sig, number)
+    rt._broken = msg
+    raise CollectiveMismatchError(msg)
+
+
+def fail_mismatch(rt: Runtime, call: Call, peer: int, their_seq: int, their_sig: int, step: int) -> None:
+    theirs = ir.describe_sig(their_sig, ALGORITHM_NAMES)
+    mine_seq, mine = call_number(rt), call.label
+    if their_seq != mine_seq:
+        # Their message comes from another call number: name our own call of that number if
+        # it was the last one we completed (the usual case: a mismatch only one side saw).
+        done_seq = rt._arena.rank_field(rt._rank, layout.R_DONE_SEQ)
+        if done_seq == their_seq:
+            mine_seq = done_seq
+            mine = ir.describe_sig(rt._arena.rank_field(rt._rank, layout.R_DONE_SIG), ALGORITHM_NAMES)
+    msg = (
+        f"rank {rt._rank} called {mine} (call #{mine_seq}) but rank {peer} called {theirs} "
+        f"(call #{their_seq}); detected in call #{call_number(rt)} at step {step}: ranks must call the same "
+        f"collectives, in the same order, with the same sizes, dtypes, ops and roots"
+    )
+    mine_sig = call.sig if mine_seq == call_number(rt) else rt._arena.rank_field(rt._rank, layout.R_DONE_SIG)
+    rt._arena.abort(rt._rank, layout.ABORT_MISMATCH, peer, their_seq, their_sig, step, mine_sig, mine_seq)
+    rt._broken = msg
+    raise CollectiveMismatchError(msg)
+
+
+def fail_aborted(rt: Runtime, call: Call) -> None:
+    info = rt._arena.abort_info()
+    deadline = time.monotonic() + 1.0
+    while info["code"] == -1 and time.monotonic() < deadline:  # the aborting rank is filling it
+        time.sleep(0.001)
+        info = rt._arena.abort_info()
+    code, origin, peer = info["code"], info["origin"], info["peer"]
+    where = f"rank {rt._rank}: {call_text(rt, call)} aborted"
+    who = f"rank {origin}" if origin >= 0 else "the launcher"
+    if code == layout.ABORT_PEER_LOST:
+        msg = f"{where}: {who} found peer rank {peer} lost"
+        rt._broken = msg
+        raise PeerLostError(msg, dead_rank=peer)
+    if code == layout.ABORT_TIMEOUT:
+        msg = f"{where}: {who} timed out waiting for rank {peer}. Peers: {activities(rt)}"
+        rt._broken = msg
+        raise CollectiveTimeout(msg)
+    if code == layout.ABORT_MISMATCH:
+        mine = ir.describe_sig(info["detail"], ALGORITHM_NAMES)
+        theirs = ir.describe_sig(info["sig"], ALGORITHM_NAMES)
+        msg = (
+            f"{where}: mismatched collectives: rank {origin} called {mine} (call #{info['own_seq']}) "
+            f"but rank {peer} called {theirs} (call #{info['seq']})"
+        )
+        rt._broken = msg
+        raise CollectiveMismatchError(msg)
+    reason = ABORT_REASONS.get(code, f"abort code {code}")
+    msg = f"{where}: {who}: {reason}"
+    rt._broken = msg
+    raise CommunicatorBrokenError(msg)
+
+
+def warn_unreceived(rt: Runtime) -> None:
+    """Messages sent to this rank that it never received point at mismatched calls that no
+    receive got to see (say two ranks that both believed they were a broadcast's root)."""
+    lay = rt._arena.layout
+    for peer in range(rt._world_size):
+        if peer == rt._rank:
+            continue
+        ch = lay.channel(peer, rt._rank)
+        waiting = rt._arena.word(lay.channel_word(ch, layout.C_HEAD)) - int(
+            rt._ctrl[lay.channel_word(ch, layout.C_TAIL)]
+        )
+        if waiting > 0:
+            rt._log.warning(
+                "closing with %d message(s) from rank %d never received: the ranks' calls "
+                "did not match (e.g. different roots, or an extra send)",
+                waiting,
+                peer,
+            )

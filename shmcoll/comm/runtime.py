@@ -1,0 +1,416 @@
+"""A rank's runtime on one arena: the engine state, the call-shape cache and the run loop.
+
+:class:`~shmcoll.comm.communicator.Communicator` is this class plus the public methods. A call
+arrives here as a :class:`~shmcoll.comm.calls.Bound` (its shape, and the arrays of this call)
+and goes to the jitted engine, once. Only when the engine reports something other than OK does
+Python do more: resume after a time slice (checking the deadline and the peers' liveness
+meanwhile), or raise through :mod:`shmcoll.comm.failures`. Any error between ranks breaks the
+communicator and raises the arena's abort word, so the other ranks stop within milliseconds.
+
+Who may call: one call at a time. The engine claims the state when a call starts, so an
+overlapping call from another thread (or a signal handler) gets ``BUSY`` before it touches
+anything and raises :class:`~shmcoll.ConcurrentCallError`; a call that must write shared
+scratch or state before it runs (a float16 reduction, a read-only input, a zero-copy call)
+claims first (:meth:`Runtime._claim`). Calls made of several (object collectives, ``alloc``,
+``split``) hold the communicator for their whole length (:meth:`Runtime._nested`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import psutil
+
+from shmcoll import config
+from shmcoll.comm import calls, failures
+from shmcoll.comm.calls import Bound, Call
+from shmcoll.engine import cpu as engine
+from shmcoll.errors import CommunicatorBrokenError, ConcurrentCallError, ForkedCommunicatorError, ShmcollError
+from shmcoll.shm import layout
+from shmcoll.shm.arena import Arena, ArenaHandle
+from shmcoll.shm.atomics import atomic_cas, write_word
+from shmcoll.shm.registered import Allocation
+from shmcoll.types import FLOAT32
+
+log = logging.getLogger("shmcoll")
+TRACE = 5
+logging.addLevelName(TRACE, "TRACE")
+
+_SLEEP_NS = 5_000_000  # longest single futex sleep: bounds how late an abort is noticed
+_SLICE_NS = 100_000_000  # how long the engine waits before Python checks deadline and peers
+
+# Every connected runtime of this process, so that a fork can disable them in the child.
+_CONNECTED: weakref.WeakSet[Runtime] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for rt in list(_CONNECTED):
+        rt._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class _RankPrefix(logging.LoggerAdapter):  # type: ignore[type-arg]
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        return f"[rank {self.extra['rank']}] {msg}", kwargs  # type: ignore[index]
+
+
+def _configure_logging(level_name: str) -> None:
+    if not level_name:
+        return
+    level = TRACE if level_name == "TRACE" else getattr(logging, level_name, logging.INFO)
+    log.setLevel(level)
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("shmcoll %(levelname)s %(message)s"))
+        log.addHandler(handler)
+
+
+class Runtime:
+    """The state behind a communicator (see the module docstring)."""
+
+    def __init__(self, arena: Arena, rank: int, *, timeout: float | None = None) -> None:
+        cfg = config.get()
+        _configure_logging(cfg.debug)
+        self._arena = arena
+        self._rank = rank
+        self._world_size = arena.layout.world_size
+        self._timeout = cfg.timeout_s if timeout is None else config.timeout_s(timeout)
+        self._pid = os.getpid()
+        self._nested_owner: int | None = None  # the thread holding the communicator for a nested call
+        self._ctrl = arena.ctrl
+        oversubscribed = self._world_size > len(os.sched_getaffinity(0))
+        # Busy-wait only while the peer is likely running on another core: a few microseconds
+        # when ranks outnumber cores (the peer may need *this* core), tens otherwise.
+        spin_us = cfg.spin if cfg.spin is not None else (1 if oversubscribed else 20)
+        self._state = engine.new_state(
+            arena.layout,
+            rank,
+            spin_ns=spin_us * 1000,
+            yields=256 if oversubscribed else 32,
+            sleep_ns=_SLEEP_NS,
+            slice_ns=_SLICE_NS,
+        )
+        self._calls: dict[tuple[Any, ...], Call] = {}
+        self._scratch: dict[tuple[str, np.dtype], np.ndarray] = {}
+        # Allocations live as long as some array views them (each SharedArray holds its own).
+        self._allocations: weakref.WeakSet[Allocation] = weakref.WeakSet()
+        self._auto_registered_choice: dict[tuple[Any, ...], str] = {}
+        self._broken: str | None = None
+        self._closed = False
+        self._verify = os.environ.get("SHMCOLL_VERIFY", "") == "1"
+        self._groups: int | None = None
+        self._groups_agreed = False
+        self._mem_total = psutil.virtual_memory().total
+        self._log = _RankPrefix(log, {"rank": rank})
+        self._trace = log.isEnabledFor(TRACE)
+        arena.register(rank)
+        _CONNECTED.add(self)
+        self._log.info(
+            "connected: world_size=%d, %d slots of %d bytes per ring, timeout %.1fs",
+            self._world_size,
+            arena.layout.nslots,
+            arena.layout.slot_bytes,
+            self._timeout,
+        )
+
+    # --- identity -----------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This process's rank, ``0 <= rank < world_size``."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks."""
+        return self._world_size
+
+    @property
+    def timeout(self) -> float:
+        """Default seconds a call may wait for its peers."""
+        return self._timeout
+
+    @property
+    def handle(self) -> ArenaHandle:
+        """What another process needs to attach to this communicator's arena."""
+        return self._arena.handle
+
+    # --- call shapes --------------------------------------------------------------------------
+    def _shape(self, key: tuple[Any, ...], kind: str, dtype: np.dtype, count: int, **how: Any) -> Call:
+        """The cached call shape ``key``, prepared on first use (see ``calls.prepare``)."""
+        call = self._calls.get(key)
+        if call is None:
+            call = calls.prepare(self, kind, dtype, count, **how)
+            if len(self._calls) >= calls.MAX_CACHED:
+                # Call shapes that vary without end (sizes from data) must not grow memory
+                # without end: drop the older half (dicts keep insertion order).
+                for stale in list(self._calls)[: calls.MAX_CACHED // 2]:
+                    del self._calls[stale]
+            self._calls[key] = call
+        return call
+
+    def _scratch_array(self, what: str, dtype: np.dtype, count: int) -> np.ndarray:
+        key = (what, dtype)
+        arr = self._scratch.get(key)
+        if arr is None or arr.size < count:
+            arr = self._scratch[key] = np.empty(max(count, 0), dtype=dtype)
+        return arr
+
+    def _bind(
+        self,
+        call: Call,
+        x: np.ndarray | None,
+        out: np.ndarray | None,
+        result: Any,
+        placement: Any,
+        x_writeable: bool = True,
+    ) -> Bound:
+        """The engine's arrays for one call: 1-d views of ``x`` and ``out`` in the engine dtype.
+
+        Calls whose buffers need copies (float16 reductions, read-only inputs) or a placement
+        (zero-copy) get theirs in :meth:`_special_buffers`, once the call holds the state.
+        """
+        if call.special or not x_writeable:
+            return (call, None, None, result, out, placement, x)
+        engine_dtype = call.engine_dtype
+        if x is None:
+            inp = call.no_buffer
+        else:
+            inp = x if x.ndim == 1 else x.reshape(-1)
+            if inp.dtype is not engine_dtype and inp.dtype != engine_dtype:  # (dtypes are mostly singletons)
+                inp = inp.view(engine_dtype)
+        if out is None:
+            res = call.no_buffer
+        elif out is x:
+            res = inp
+        else:
+            res = out if out.ndim == 1 else out.reshape(-1)
+            if res.dtype is not engine_dtype and res.dtype != engine_dtype:
+                res = res.view(engine_dtype)
+        return (call, inp, res, result, out, None, x)
+
+    def _special_buffers(self, b: Bound) -> tuple[np.ndarray, np.ndarray]:
+        """The engine's arrays for a call bound without them (see :meth:`_bind`); the caller
+        holds the claim, so the shared scratch is this call's alone."""
+        call, _, _, _, out, placement, x = b
+        if call.registered:
+            return placement.buffers(call, x, out, self._state)  # type: ignore[no-any-return]
+        engine_dtype = call.engine_dtype
+        if call.widened:
+            inp = self._scratch_array("f16in", FLOAT32, x.size)[: x.size]  # type: ignore[union-attr]
+            np.copyto(inp, x.reshape(-1))  # type: ignore[union-attr]
+            res = self._scratch_array("f16out", FLOAT32, out.size)[: out.size] if out is not None else call.no_buffer
+            return inp, res
+        flat = (x if x.ndim == 1 else x.reshape(-1)).view(engine_dtype)  # type: ignore[union-attr]
+        inp = self._scratch_array("ro", engine_dtype, flat.size)[: flat.size]
+        np.copyto(inp, flat)
+        if out is None:
+            return inp, call.no_buffer
+        res = out if out.ndim == 1 else out.reshape(-1)
+        return inp, res if res.dtype == engine_dtype else res.view(engine_dtype)
+
+    # --- who may call -------------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._broken is None and os.getpid() != self._pid:
+            self._forked()  # a fork that ran no at-fork hooks (from C)
+        if self._broken is not None:
+            if self._is_forked():
+                raise ForkedCommunicatorError(f"rank {self._rank}: {self._broken}")
+            raise CommunicatorBrokenError(f"rank {self._rank}: communicator unusable: {self._broken}")
+
+    def _is_forked(self) -> bool:
+        return os.getpid() != self._pid
+
+    def _forked(self) -> None:
+        """This process is a fork of the one that connected: never touch the shared state."""
+        self._broken = (
+            f"this process (pid {os.getpid()}) is a fork of the process that connected the communicator "
+            f"(pid {self._pid}); a communicator belongs to the process that connected it: connect anew in "
+            f"the child (group.connect(rank)) or create communicators after forking"
+        )
+
+    def _concurrent_message(self, what: str) -> str:
+        return (
+            f"rank {self._rank}: {what} was called while another thread (or a signal handler) is in a call on "
+            f"this communicator; calls on one communicator must not overlap: give each thread its own "
+            f"communicator (comm.split) or serialise the calls with a lock. Nothing was done."
+        )
+
+    def _claim(self, call: Call) -> np.ndarray:
+        """Claim the state from Python for a call that writes shared scratch before it runs;
+        returns the handles that start it without claiming again."""
+        owner = self._nested_owner
+        nested = owner is not None and owner == threading.get_ident()
+        if owner is not None and not nested:
+            raise ConcurrentCallError(self._concurrent_message(call.label))
+        if engine.claim(self._state, 1 if nested else 0) != engine.OK:
+            raise ConcurrentCallError(self._concurrent_message(call.label))
+        return call.claimed
+
+    @contextlib.contextmanager
+    def _nested(self, what: str, timeout: float | None) -> Iterator[None]:
+        """Hold the communicator for a call made of several collectives (object collectives,
+        ``alloc``, ``split``), so that no other thread's call interleaves with its parts.
+
+        An exception that escapes once the parts have started communicating leaves the ranks in
+        different places: it breaks the communicator (and aborts the peers), unless the body
+        raises it after the block, on every rank alike (an *agreed* error).
+        """
+        if timeout is not None:
+            config.timeout_s(timeout)
+        me = threading.get_ident()
+        if self._nested_owner == me:  # inside one of this thread's own nested calls
+            yield
+            return
+        self._check_usable()
+        if int(atomic_cas(self._state, engine.S_NESTED, 0, 1)) != 0:
+            raise ConcurrentCallError(self._concurrent_message(what))
+        self._nested_owner = me
+        seq = int(self._state[engine.S_SEQ])
+        try:
+            if int(self._state[engine.S_ACTIVE]) != 0:  # a plain call of another thread is under way
+                raise ConcurrentCallError(self._concurrent_message(what))
+            yield
+        except BaseException as exc:
+            if self._broken is None and int(self._state[engine.S_SEQ]) != seq:
+                self._fail(f"{what} failed half way: {type(exc).__name__}: {exc}")
+            raise
+        finally:
+            self._nested_owner = None
+            write_word(self._state, engine.S_NESTED, 0)
+
+    # --- the run loop -------------------------------------------------------------------------
+    def _run(self, b: Bound, timeout: float | None) -> Any:
+        """Run one bound call to its end (or raise); returns what the method returns."""
+        if type(b) is not tuple:  # a device call: its own path (comm.device)
+            return b.run(timeout)  # type: ignore[attr-defined]
+        if self._broken is not None:
+            self._check_usable()
+        limit = self._timeout if timeout is None else config.timeout_s(timeout)
+        call, inp, res, result, out, _, _ = b
+        if inp is None:
+            handles = self._claim(call)
+            try:
+                inp, res = self._special_buffers(b)
+            except BaseException:
+                engine.release(self._state)
+                raise
+        else:
+            owner = self._nested_owner
+            if owner is None:
+                handles = call.start
+            elif owner == threading.get_ident():
+                handles = call.nested
+            else:
+                raise ConcurrentCallError(self._concurrent_message(call.label))
+        if self._trace:
+            t0 = time.perf_counter()
+        st = engine.execute(handles, inp, res)
+        if st != engine.OK:
+            self._wait_or_raise(st, call, inp, res, limit)
+        if self._trace:
+            self._log.log(
+                TRACE, "%s #%d took %.1f us", call.label, failures.call_number(self), (time.perf_counter() - t0) * 1e6
+            )
+        if call.special:
+            if call.registered:
+                self._state[engine.S_PLACE] = 0
+            elif out is not None:  # a float16 reduction: its float32 result back
+                np.copyto(out.reshape(-1), res)
+        return result
+
+    def _wait_or_raise(self, st: int, call: Call, inp: np.ndarray, res: np.ndarray, limit: float) -> None:
+        """Carry a call that did not finish in one engine run to its end, or raise.
+
+        Whatever escapes from here once the call has started (a timeout, a peer's death, a
+        KeyboardInterrupt) breaks the communicator and raises the abort word: a call is never
+        left half done on one rank while the others go on.
+        """
+        if st == engine.BUSY:
+            raise ConcurrentCallError(self._concurrent_message(call.label))
+        started = time.monotonic() - _SLICE_NS / 1e9
+        try:
+            while st != engine.OK:
+                if st == engine.WAITING:
+                    if self._arena.word(layout.AB_CODE) != 0:
+                        failures.fail_aborted(self, call)  # the cause is whoever aborted, not who left since
+                    lost = failures.lost_peer(self)
+                    if lost is not None:
+                        failures.fail_peer_lost(self, call, *lost)
+                    failures.check_awaited_call(self, call)
+                    if time.monotonic() - started > limit:
+                        failures.fail_timeout(self, call, limit)
+                elif st == engine.ABORTED:
+                    failures.fail_aborted(self, call)
+                elif st == engine.PEER_DEAD:
+                    failures.fail_peer_lost(self, call, int(self._state[engine.S_ERR_PEER]), "dead")
+                elif st == engine.MISMATCH:
+                    if (
+                        int(self._state[engine.S_ERR_SIG]) == call.sig
+                        and int(self._state[engine.S_ERR_SEQ]) == failures.call_number(self)
+                        and int(self._state[engine.S_ERR_PLACE]) != int(self._state[engine.S_PLACE])
+                    ):
+                        failures.fail_placement(self, call)
+                    failures.fail_mismatch(
+                        self,
+                        call,
+                        int(self._state[engine.S_ERR_PEER]),
+                        int(self._state[engine.S_ERR_SEQ]),
+                        int(self._state[engine.S_ERR_SIG]),
+                        int(self._state[engine.S_ERR_STEP]),
+                    )
+                st = engine.execute(call.resume, inp, res)
+        except ShmcollError:
+            if self._broken is None:  # a raise that did not go through failures (none should)
+                self._fail(f"{call.label} failed")
+            raise
+        except BaseException as exc:  # KeyboardInterrupt mid-call: the call's state is half done
+            self._broken = f"rank {self._rank} was interrupted in {call.label} ({type(exc).__name__})"
+            self._arena.abort(
+                self._rank,
+                layout.ABORT_ERROR,
+                -1,
+                failures.call_number(self),
+                call.sig,
+                failures.wait_step(self),
+            )
+            raise
+
+    # --- failing and leaving ------------------------------------------------------------------
+    def _fail(self, detail: str) -> None:
+        """This rank's own code failed: abort, so that peers raise at once instead of timing out."""
+        if self._closed or self._is_forked():
+            return
+        self._arena.abort(self._rank, layout.ABORT_ERROR, -1, failures.call_number(self))
+        self._broken = f"rank {self._rank} failed: {detail}"
+
+    def _close_runtime(self) -> None:
+        """Leave the arena (see ``Communicator.close``)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._is_forked():
+            self._calls.clear()
+            self._broken = self._broken or "the communicator is closed"
+            return
+        self._calls.clear()
+        self._scratch.clear()
+        if self._broken is None:
+            failures.warn_unreceived(self)
+        self._arena.deregister(self._rank, failed=self._broken is not None)
+        if self._arena.segment.owner:
+            self._arena.segment.unlink()
+        self._ctrl = np.empty(0, np.int64)  # no view of the arena may outlive it
+        for allocation in list(self._allocations):
+            allocation.close()
+        self._arena.close()
+        self._broken = self._broken or "the communicator is closed"
