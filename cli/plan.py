@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 
 import click
 
@@ -51,7 +50,6 @@ def plan() -> None:
 @click.option("-n", "--world-size", type=int, default=4, show_default=True, help="Ranks.")
 @click.option("--count", type=int, default=16, show_default=True, help="Elements (per block for blocked collectives).")
 @click.option("--root", type=int, default=0, show_default=True, help="Root of rooted collectives.")
-@click.option("--peer", type=int, default=None, help="p2p only: the receiving rank (default root + 1).")
 @click.option("--slot-bytes", callback=_size, default=None, help="Ring slot size (default: SHMCOLL_SLOT_BYTES).")
 @click.option("--dtype", default="float32", show_default=True, help="Element type (sets elements per slot).")
 @click.option("--in-place", is_flag=True, help="Build the in-place variant.")
@@ -59,8 +57,10 @@ def plan() -> None:
 @click.option(
     "--nslots", type=int, default=None, help="Slots per ring the plan is built for (default: SHMCOLL_NSLOTS)."
 )
-def show(collective, algorithm, world_size, count, root, peer, slot_bytes, dtype, in_place, group_size, nslots) -> None:  # type: ignore[no-untyped-def]
-    """Print every rank's steps of COLLECTIVE: the body (run once per full piece) and the tail."""
+def show(collective, algorithm, world_size, count, root, slot_bytes, dtype, in_place, group_size, nslots) -> None:  # type: ignore[no-untyped-def]
+    """Print every rank's steps of COLLECTIVE: the body (run once per full piece) and the tail.
+
+    A variable-count collective gets uneven sample counts around COUNT (zeros included)."""
     import numpy as np
 
     from shmcoll import config
@@ -81,10 +81,6 @@ def show(collective, algorithm, world_size, count, root, peer, slot_bytes, dtype
     if group_size is not None and group_size < 1:
         raise click.BadParameter("must be >= 1", param_hint="--group-size")
     options = None if group_size is None else {"group_size": group_size}
-    if collective == "p2p":
-        peer = (root + 1) % world_size if peer is None else peer
-        if world_size < 2 or not 0 <= peer < world_size or peer == root:
-            raise click.BadParameter("p2p needs 2+ ranks and a peer other than the root", param_hint="--peer")
     try:
         alg = registry.get(collective, algorithm)
     except ValueError as exc:
@@ -97,6 +93,9 @@ def show(collective, algorithm, world_size, count, root, peer, slot_bytes, dtype
     nslots = nslots or config.get().nslots
     if nslots < 1:
         raise click.BadParameter("must be >= 1", param_hint="--nslots")
+    counts, matrix = sample_counts(collective, world_size, count)
+    if counts or matrix:
+        count = sum(counts) + sum(map(sum, matrix))
     seg = plan_call(
         alg,
         world_size,
@@ -104,9 +103,10 @@ def show(collective, algorithm, world_size, count, root, peer, slot_bytes, dtype
         slot_capacity,
         root=root,
         inplace=in_place,
-        peer=peer or 0,
         options=options,
         nslots=nslots,
+        counts=counts,
+        matrix=matrix,
     )
     mode = "in place" if in_place else "out of place"
     groups = f"; groups of {group_size}" if group_size is not None else ""
@@ -114,6 +114,10 @@ def show(collective, algorithm, world_size, count, root, peer, slot_bytes, dtype
         f"# {collective}/{algorithm}: {world_size} ranks, count {count}, root {root}, {mode}; "
         f"slot {format_size(slot)} = {slot_capacity} {dtype} elements, {nslots} per ring{groups}"
     )
+    if counts:
+        click.echo(f"# counts {list(counts)}")
+    for i, row in enumerate(matrix):
+        click.echo(f"# rank {i} sends {list(row)}")
     if seg.body is None:
         click.echo(f"# one piece of {seg.tail.count} elements (tail only); scratch {seg.tmp_count} elements")
     else:
@@ -132,17 +136,20 @@ def show(collective, algorithm, world_size, count, root, peer, slot_bytes, dtype
                 click.echo(f"    {i:>4}  {step}")
 
 
-def _cases(collective: str, n: int) -> Iterator[tuple[int, int]]:
-    """(root, peer) pairs to verify: every root; for p2p each root's two neighbours."""
-    if collective == "p2p":
-        for root in range(n):
-            for peer in sorted({(root + 1) % n, (root - 1) % n} - {root}):
-                yield root, peer
-    elif collectives.get(collective).rooted:
-        for root in range(n):
-            yield root, 0
-    else:
-        yield 0, 0
+def sample_counts(collective: str, n: int, count: int) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """Uneven counts around ``count`` (zeros among them) for a variable-count collective: (counts,
+    ()) or, for alltoallv, ((), matrix); ``((), ())`` for the others."""
+    record = collectives.get(collective)
+    if not record.varying:
+        return (), ()
+    if collective == "alltoallv":
+        return (), tuple(tuple((count + 3 * i + 5 * j) % (count + 2) for j in range(n)) for i in range(n))
+    return tuple((count + 3 * j) % (count + 2) for j in range(n)), ()
+
+
+def _roots(collective: str, n: int) -> range:
+    """The roots to verify: every one for a rooted collective."""
+    return range(n) if collectives.get(collective).rooted else range(1)
 
 
 def verify_algorithm(
@@ -161,11 +168,14 @@ def verify_algorithm(
     alg = registry.get(collective, algorithm)
     checked = 0
     failures: list[str] = []
+    modes = (False,) if collectives.get(collective).inplace == collectives.InPlace.NEVER else (False, True)
     for n in world_sizes:
-        for root, peer in _cases(collective, n):
+        for root in _roots(collective, n):
             # count 0 and 1, around the world size, and several pieces with tiny slots
-            for count, slot in ((0, 4), (1, 4), (n + 1, 4), (13, 3), (3 * n + 2, 2)):
-                for inplace in (False, True):
+            for base, slot in ((0, 4), (1, 4), (n + 1, 4), (13, 3), (3 * n + 2, 2)):
+                counts, matrix = sample_counts(collective, n, base)
+                count = sum(counts) + sum(map(sum, matrix)) if counts or matrix else base
+                for inplace in modes:
                     if alg.supports(Query(collective, n, count, 1, root=root, inplace=inplace)):
                         continue
                     try:
@@ -173,9 +183,27 @@ def verify_algorithm(
                         for ns in nslots:
                             # Built for the slots it runs with: plans for one slot carry fences.
                             seg = plan_call(
-                                alg, n, count, slot, root=root, inplace=inplace, peer=peer, options=options, nslots=ns
+                                alg,
+                                n,
+                                count,
+                                slot,
+                                root=root,
+                                inplace=inplace,
+                                options=options,
+                                nslots=ns,
+                                counts=counts,
+                                matrix=matrix,
                             )
-                            verify(seg, world_size=n, count=count, root=root, inplace=inplace, nslots=ns, peer=peer)
+                            verify(
+                                seg,
+                                world_size=n,
+                                count=count,
+                                root=root,
+                                inplace=inplace,
+                                nslots=ns,
+                                counts=counts,
+                                matrix=matrix,
+                            )
                             checked += 1
                     except (PlanError, ValueError, IndexError, KeyError) as exc:
                         failures.append(f"n={n} root={root} count={count} slot={slot} inplace={inplace}: {exc}")

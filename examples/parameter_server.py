@@ -1,4 +1,4 @@
-"""A parameter server over shmcoll's send/recv/probe: a sharded sparse embedding table.
+"""A parameter server over shmcoll's send/recv/iprobe: a sharded sparse embedding table.
 
 Ranks ``0 .. S-1`` are servers, ranks ``S .. S+W-1`` workers. The table (1M rows x 16 float32 by
 default) is sharded across the servers by a hash of the row id. Each step, a worker draws a batch
@@ -28,7 +28,7 @@ sends to a worker that is waiting for that reply (a pull it may answer later: me
 worker waits on that server only, and the server keeps serving others). So every blocked
 ``send`` or ``recv`` has its peer doing the matching operation, or about to: no cycle of waits
 can form, however large the messages (a send larger than the ring waits for the receiver to
-drain it). Servers use ``probe`` to serve whichever worker has a message waiting.
+drain it). Servers use ``iprobe`` to serve whichever worker has a message waiting.
 
 Run: python examples/parameter_server.py [--servers S] [--workers W] [--rows N] [--quick]
 """
@@ -63,6 +63,13 @@ def mix(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         h = x.astype(np.uint64) * _GOLDEN
         return h ^ (h >> np.uint64(29))
+
+
+def receive(comm, shape, dtype, src):  # type: ignore[no-untyped-def]
+    """The next message from ``src`` in a new array (recv fills a buffer and returns a Status)."""
+    buf = np.empty(shape, dtype)
+    comm.recv(buf, src=src)
+    return buf
 
 
 def owner(ids: np.ndarray, servers: int) -> np.ndarray:
@@ -143,18 +150,19 @@ def serve(comm: shmcoll.Communicator, cfg: dict[str, Any], mode: str) -> dict[st
     while len(done) < W:
         progressed = False
         for w in workers:
-            if w in done or not comm.probe(w):
+            if w in done or comm.iprobe(w) is None:
                 continue
             progressed = True
-            kind, step, n, _ = comm.recv(header, src=w)
-            ids = comm.recv(np.empty(n, np.int64), src=w) if kind in (PULL, PUSH) and n else np.empty(0, np.int64)
+            comm.recv(header, src=w)
+            kind, step, n, _ = header
+            ids = receive(comm, n, np.int64, w) if kind in (PULL, PUSH) and n else np.empty(0, np.int64)
             if kind == PULL:
                 if mode == "async" or step <= clock:
                     reply(w, ids)
                 else:
                     waiting.append((w, step, ids))
             elif kind == PUSH:
-                updates = comm.recv(np.empty((n, dim), np.float32), src=w) if n else np.empty((0, dim), np.float32)
+                updates = receive(comm, (n, dim), np.float32, w) if n else np.empty((0, dim), np.float32)
                 if step > clock and mode != "async":
                     raise RuntimeError(f"server {s}: push for step {step} from rank {w} before step {clock} ended")
                 applied[w] += 1
@@ -221,12 +229,13 @@ def work(comm: shmcoll.Communicator, cfg: dict[str, Any], mode: str) -> dict[str
             comm.send(np.array([PULL, t, sel.sum(), 0], np.int64), dst=s)
             if sel.any():
                 comm.send(uniq[sel], dst=s)
-            status, _, n, _ = comm.recv(header, src=s)
+            comm.recv(header, src=s)
+            status, _, n, _ = header
             if status == STOP:
                 stop = True
                 break
             if n:
-                emb[sel] = comm.recv(np.empty((n, dim), np.float32), src=s)
+                emb[sel] = receive(comm, (n, dim), np.float32, s)
         if stop:
             break
         loss, updates = compute_updates(ids, uniq, inverse, emb, cfg["lr"])

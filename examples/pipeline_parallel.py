@@ -149,7 +149,8 @@ def run_stage(comm: shmcoll.Communicator, sizes: tuple[int, ...], batch: int, st
                 if s == 0:
                     h = x[lo:hi]
                 else:
-                    h = comm.recv(np.empty((hi - lo, sizes[first]), np.float32), src=s - 1)
+                    h = np.empty((hi - lo, sizes[first]), np.float32)
+                    comm.recv(h, src=s - 1)
                 t0 = time.perf_counter()
                 h = stage.forward(j, h)
                 if stage.is_last:
@@ -163,7 +164,8 @@ def run_stage(comm: shmcoll.Communicator, sizes: tuple[int, ...], batch: int, st
                 if stage.is_last:
                     d = dlogits.pop(j)
                 else:
-                    d = comm.recv(np.empty((hi - lo, sizes[last]), np.float32), src=s + 1)
+                    d = np.empty((hi - lo, sizes[last]), np.float32)
+                    comm.recv(d, src=s + 1)
                 t0 = time.perf_counter()
                 d = stage.backward(j, d)
                 busy += time.perf_counter() - t0

@@ -6,6 +6,8 @@ Start ranks with :func:`spawn`, :class:`Group` or ``shmcoll run`` + :func:`init`
 
 from shmcoll._version import __version__
 from shmcoll.comm import Communicator
+from shmcoll.comm.p2p import ANY_SOURCE, ANY_TAG, Status
+from shmcoll.comm.requests import Request, wait_all, wait_any
 from shmcoll.errors import (
     CollectiveMismatchError,
     CollectiveTimeout,
@@ -19,6 +21,8 @@ from shmcoll.launch import Group, init, spawn
 from shmcoll.types import ReduceOp
 
 __all__ = [
+    "ANY_SOURCE",
+    "ANY_TAG",
     "CollectiveMismatchError",
     "CollectiveTimeout",
     "Communicator",
@@ -28,8 +32,12 @@ __all__ = [
     "ReduceOp",
     "ShmcollError",
     "SpawnError",
+    "Status",
     "UnsupportedError",
+    "Request",
     "__version__",
     "init",
     "spawn",
+    "wait_all",
+    "wait_any",
 ]

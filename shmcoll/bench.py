@@ -33,7 +33,7 @@ from shmcoll import collectives
 from shmcoll.algos import registry
 from shmcoll.algos.registry import Query
 from shmcoll.collectives import COLLECTIVES, InPlace
-from shmcoll.types import FOLD_UFUNC, ReduceOp, engine_types, supports
+from shmcoll.types import FOLD_UFUNC, ReduceOp, engine_types, identity, supports
 
 BENCH_COLLECTIVES = COLLECTIVES
 MIN_ITERATION_S = 20e-6
@@ -151,9 +151,11 @@ def _pattern(tag: int, count: int, dtype: np.dtype, op: ReduceOp) -> np.ndarray:
 
 
 def _reduced(world_size: int, count: int, dtype: np.dtype, op: ReduceOp, lo: int, hi: int) -> np.ndarray:
-    """Elements [lo, hi) of the reduction over all ranks of the rank patterns."""
+    """Elements [lo, hi) of the reduction over ranks ``0 .. world_size - 1`` of the rank patterns."""
     ufunc = FOLD_UFUNC[op]
     work = np.dtype(np.float32) if dtype == np.float16 else dtype
+    if world_size == 0:  # an exscan's rank 0: the op's identity
+        return np.full(hi - lo, identity(op, dtype), dtype)
     acc = _pattern(0, count, work, op)[lo:hi]
     for r in range(1, world_size):
         acc = ufunc(acc, _pattern(r, count, work, op)[lo:hi]).astype(work)
@@ -173,6 +175,9 @@ class _Buffers:
     input, or a reduction's: pattern ``r``), so every element of every result is known exactly
     (see :meth:`wrong`). In place is the record's in-place form. One buffer set serves every
     algorithm of a size (the caller sets :attr:`algorithm` before each run).
+
+    A variable-count collective runs with equal counts on its uniform form's buffers, flat, so
+    that its times compare with the uniform form's; alltoallv is never in place.
     """
 
     def __init__(
@@ -187,12 +192,15 @@ class _Buffers:
         registered: bool,
     ) -> None:
         n, r = comm.world_size, comm.rank
-        c = collectives.get(collective)
-        self.comm, self.coll, self.dtype, self.op, self.root = comm, c, dtype, op, root
+        self.coll = collectives.get(collective)
+        c = self.shaped = collectives.get(self.coll.uniform) if self.coll.varying else self.coll
+        inplace = inplace and self.coll.inplace is not InPlace.NEVER
+        self.comm, self.dtype, self.op, self.root = comm, dtype, op, root
         self.inplace = inplace
         self.algorithm = "auto"  # set by the caller before each run: one buffer set serves all algorithms
         total = self.count = nbytes // dtype.itemsize
         b = self.block = total // n if c.blocked else total
+        self.counts = [b] * n
         alloc = getattr(comm, "alloc", None) if registered else None
         new = (lambda shape: alloc(shape, dtype)) if alloc is not None else (lambda shape: np.empty(shape, dtype))
         # Every rank allocates the same buffers in the same order (comm.alloc is collective).
@@ -218,7 +226,7 @@ class _Buffers:
 
     def fill(self) -> None:
         n, r, b = self.comm.world_size, self.comm.rank, self.block
-        if self.coll.blocks_in and not self.coll.reducing:
+        if self.shaped.blocks_in and not self.shaped.reducing:
             blocks = self.x.reshape(n, b)
             for j in range(n):
                 blocks[j] = _pattern(self._tag(r, j), b, self.dtype, self.op)
@@ -237,16 +245,29 @@ class _Buffers:
         else:
             kw["out"] = None if (self.inplace and c.out_none_in_place) else self.out
         x = None if (c.input_at_root and r != self.root) else self.x
-        getattr(comm, c.name)(x, **kw)
+        if not c.varying:
+            getattr(comm, c.name)(x, **kw)
+            return
+        out = kw.pop("out")
+        flat_x = None if x is None else x.reshape(-1)
+        flat_out = None if out is None else out.reshape(-1)
+        if c.name == "reduce_scatterv":
+            comm.reduce_scatter(flat_x, counts=self.counts, out=flat_out, **kw)
+        elif c.name == "alltoallv":
+            comm.alltoallv(flat_x, self.counts, self.counts, out=flat_out, **kw)
+        else:
+            getattr(comm, c.name)(flat_x, self.counts, out=flat_out, **kw)
 
     def wrong(self, corrupt: bool) -> int:
         """Run once on fresh inputs and count the elements that differ from the exact answer."""
         self.fill()
         self.run()
-        c, n, r, b = self.coll, self.comm.world_size, self.comm.rank, self.block
+        c, n, r, b = self.shaped, self.comm.world_size, self.comm.rank, self.block
         if c.result_at_root and r != self.root:
             return 0
-        if c.reducing:
+        if c.prefix:  # scan: ranks 0..r; exscan: ranks 0..r-1
+            want = _reduced(r + 1 if c.name == "scan" else r, b, self.dtype, self.op, 0, b)
+        elif c.reducing:
             lo, hi = (r * b, (r + 1) * b) if c.blocks_in else (0, b)
             want = _reduced(n, b * (n if c.blocks_in else 1), self.dtype, self.op, lo, hi)
         elif c.blocks_out:  # block i of the result is rank i's (block r of its) input
@@ -338,6 +359,7 @@ def bench_rank(comm: Any, cfg: BenchConfig) -> list[Row]:
         for collective in cfg.collectives
         for nbytes in sizes(cfg, collective, n)
         for mode in cfg.modes
+        if mode == "out-of-place" or collectives.get(collective).inplace is not InPlace.NEVER  # (alltoallv)
     ]
     for done, (collective, nbytes, mode) in enumerate(points, 1):
         root = cfg.root if collectives.get(collective).rooted else -1
@@ -446,6 +468,8 @@ def validate(cfg: BenchConfig) -> None:
             raise ValueError(f"unknown collective {c!r}; one of {', '.join(BENCH_COLLECTIVES)}")
         if collectives.get(c).reducing and not supports(op, dtype):
             raise ValueError(f"op {op.name} is not defined for {dtype}")
+        if collectives.get(c).prefix and op == ReduceOp.AVG:
+            raise ValueError(f"op AVG has no prefix form ({c}); use sum")
         if not algorithms_for(cfg, c, cfg.nprocs):
             raise ValueError(f"none of the algorithms {list(cfg.algorithms)} serves {c}")
     if not 0 <= cfg.root < cfg.nprocs:

@@ -16,9 +16,22 @@ The shape facts, for ``n`` ranks and a per-rank input ``x``::
     allreduce       shape s            shape s                out is x (or None)
     reduce_scatter  (n * k, *t)        (k, *t)                out is x[rank]
     alltoall        (n, *s)            (n, *s)                out is x
+    scan, exscan    shape s            shape s                out is x (or None)
+
+and the variable-count forms, on flat buffers with ``counts[j]`` elements for rank ``j``::
+
+    allgatherv      counts[rank]       sum(counts)            x is out[displ[rank]:][:counts[rank]]
+    gatherv         counts[rank]       root: sum(counts)      as allgatherv (root)
+    scatterv        root: sum(counts)  counts[rank]           out is x[displ[rank]:...] (root)
+    reduce_scatterv sum(counts)        counts[rank]           as scatterv
+    alltoallv       sum(send_counts)   sum(recv_counts)       never
 
 A call's **count** (what plans and signatures carry) is the elements of one block: the whole
-buffer for the unblocked collectives, one rank's block for the blocked ones.
+buffer for the unblocked collectives, one rank's block for the blocked ones, and the sum of the
+counts for the variable-count ones (whose plans take the counts themselves). Where the ranks
+cannot all know that sum (gatherv's and scatterv's non-roots know only their own block,
+alltoallv's ranks only their row and column of the matrix), the call's signature carries 0, and
+``algorithm="auto"`` decides as for a call of size 0.
 """
 
 from __future__ import annotations
@@ -59,6 +72,8 @@ class Collective:
         zero_copy: has a ``zerocopy`` form on buffers from ``comm.alloc``.
         bus_factor: nccl-tests' bus bandwidth factor, a function of the world size.
         internal: a plan kind of shmcoll's own, not a user-facing collective.
+        varying: takes a count per rank (the v-forms); ``uniform`` names its equal-count form.
+        prefix: each rank's result combines the ranks up to it (scan) or before it (exscan).
     """
 
     name: str
@@ -74,6 +89,9 @@ class Collective:
     zero_copy: bool = True
     bus_factor: Callable[[int], float] = _ring_factor
     internal: bool = False
+    varying: bool = False
+    uniform: str = ""
+    prefix: bool = False
 
     @property
     def blocked(self) -> bool:
@@ -82,12 +100,13 @@ class Collective:
 
     def call_bytes(self, world_size: int, count: int, itemsize: int) -> int:
         """The size of a call as ``bench``, ``tune`` and ``SHMCOLL_ALGO`` count it: the largest
-        per-rank buffer (allgather's output, reduce_scatter's input)."""
-        return count * itemsize * (world_size if self.blocked else 1)
+        per-rank buffer (allgather's output, reduce_scatter's input; a variable-count call's
+        count is its total already)."""
+        return count * itemsize * (world_size if self.blocked and not self.varying else 1)
 
     def count_for(self, world_size: int, call_bytes: int, itemsize: int) -> int:
-        """The count (elements per block) of a call of ``call_bytes`` (inverse of ``call_bytes``)."""
-        return call_bytes // itemsize // (world_size if self.blocked else 1)
+        """The count of a call of ``call_bytes`` (the inverse of :meth:`call_bytes`)."""
+        return call_bytes // itemsize // (world_size if self.blocked and not self.varying else 1)
 
 
 def _one(n: int) -> float:
@@ -118,7 +137,69 @@ _ALL: tuple[Collective, ...] = (
     Collective("reduce_scatter", 6, reducing=True, blocks_in=True, inplace=InPlace.OUTPUT_IS_MY_BLOCK),
     Collective("alltoall", 7, blocks_in=True, blocks_out=True, inplace=InPlace.SAME),
     Collective("barrier", 8, zero_copy=False, bus_factor=_one, internal=True),
-    Collective("p2p", 9, zero_copy=False, bus_factor=_one, internal=True),
+    # (code 9 was the old point-to-point plan kind: codes are never reused)
+    Collective(
+        "allgatherv",
+        10,
+        blocks_out=True,
+        inplace=InPlace.INPUT_IS_MY_BLOCK,
+        zero_copy=False,
+        varying=True,
+        uniform="allgather",
+    ),
+    Collective(
+        "gatherv",
+        11,
+        rooted=True,
+        blocks_out=True,
+        result_at_root=True,
+        inplace=InPlace.INPUT_IS_MY_BLOCK,
+        zero_copy=False,
+        varying=True,
+        uniform="gather",
+    ),
+    Collective(
+        "scatterv",
+        12,
+        rooted=True,
+        blocks_in=True,
+        input_at_root=True,
+        inplace=InPlace.OUTPUT_IS_MY_BLOCK,
+        zero_copy=False,
+        varying=True,
+        uniform="scatter",
+    ),
+    Collective("alltoallv", 13, blocks_in=True, blocks_out=True, zero_copy=False, varying=True, uniform="alltoall"),
+    Collective(
+        "reduce_scatterv",
+        14,
+        reducing=True,
+        blocks_in=True,
+        inplace=InPlace.OUTPUT_IS_MY_BLOCK,
+        zero_copy=False,
+        varying=True,
+        uniform="reduce_scatter",
+    ),
+    Collective(
+        "scan",
+        15,
+        reducing=True,
+        inplace=InPlace.SAME,
+        out_none_in_place=True,
+        zero_copy=False,
+        bus_factor=_one,
+        prefix=True,
+    ),
+    Collective(
+        "exscan",
+        16,
+        reducing=True,
+        inplace=InPlace.SAME,
+        out_none_in_place=True,
+        zero_copy=False,
+        bus_factor=_one,
+        prefix=True,
+    ),
 )
 
 BY_NAME: dict[str, Collective] = {c.name: c for c in _ALL}
@@ -134,9 +215,19 @@ COLLECTIVES: tuple[str, ...] = (
     "alltoall",
     "gather",
     "scatter",
+    "allgatherv",
+    "gatherv",
+    "scatterv",
+    "alltoallv",
+    "reduce_scatterv",
+    "scan",
+    "exscan",
 )
-# Every plan kind, by code: the user-facing collectives plus shmcoll's own (barrier, p2p).
-PLAN_KINDS: tuple[str, ...] = tuple(BY_CODE[code].name for code in sorted(BY_CODE))
+# The collectives with one count for every rank (the tools that time uniform sizes use these).
+UNIFORM: tuple[str, ...] = tuple(name for name in COLLECTIVES if not BY_NAME[name].varying)
+# Every plan kind's name, indexed by code ("" for a retired code): the user-facing collectives
+# plus shmcoll's own (barrier).
+PLAN_KINDS: tuple[str, ...] = tuple(BY_CODE[c].name if c in BY_CODE else "" for c in range(max(BY_CODE) + 1))
 KIND_CODE: dict[str, int] = {c.name: c.code for c in _ALL}
 
 

@@ -22,7 +22,7 @@ from shmcoll import collectives
 from shmcoll.algos import registry
 from shmcoll.algos.closed_forms import FIGURES, INTER_FIGURES, ClosedForm, closed_form
 from shmcoll.algos.registry import Query
-from shmcoll.collectives import COLLECTIVES
+from shmcoll.collectives import COLLECTIVES  # (variable counts: the total split evenly, see plan.cost)
 from shmcoll.plan.cost import EXACT_LIMIT, CostModel, plan_time
 from shmcoll.units import format_bytes, format_size, format_time
 

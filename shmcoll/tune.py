@@ -108,20 +108,24 @@ class Link:
 
 # --- on the ranks ----------------------------------------------------------------------------------
 def _one_way(comm: Any, nbytes: int, iters: int) -> float:
-    """Median half round trip of ``nbytes`` between ranks 0 and 1 (other ranks wait)."""
-    buf = np.zeros(nbytes, np.uint8)
-    times = np.empty(iters)
-    for i in range(-2, iters):  # two untimed rounds build and cache the plans
-        if comm.rank == 0:
+    """Median half round trip of ``nbytes`` between ranks 0 and 1 (other ranks wait), through the
+    engine's channels: a 2-rank in-place broadcast each way is one message each way, the link
+    the cost model describes (point-to-point calls go through mailboxes and Python matching)."""
+    pair = comm.split(color=0 if comm.rank < 2 else None)
+    if pair is None:
+        return 0.0
+    try:
+        buf = np.zeros(nbytes, np.uint8)
+        times = np.empty(iters)
+        for i in range(-2, iters):  # two untimed rounds build and cache the plans
             t0 = time.perf_counter()
-            comm.send(buf, 1)
-            comm.recv(buf, 1)
+            pair.broadcast(buf, root=0, algorithm="direct")
+            pair.broadcast(buf, root=1, algorithm="direct")
             if i >= 0:
                 times[i] = (time.perf_counter() - t0) / 2
-        elif comm.rank == 1:
-            comm.recv(buf, 0)
-            comm.send(buf, 0)
-    return float(np.median(times))
+        return float(np.median(times))
+    finally:
+        pair.close()
 
 
 def _null_call(comm: Any, iters: int) -> float:
@@ -159,7 +163,7 @@ def _p2p_coefficients(nbytes: int, slot_bytes: int, nslots: int) -> tuple[float,
     """(alpha, 1/beta) coefficients of the simulated one-way time of an ``nbytes`` message."""
     from shmcoll.plan.passes import plan_call
 
-    plan = plan_call(registry.get("p2p", "direct"), 2, nbytes, slot_bytes, root=0, peer=1)
+    plan = plan_call(registry.get("broadcast", "direct"), 2, nbytes, slot_bytes, root=0, inplace=True)
     a = simulate(plan, 1, Costs(1.0, 0.0, 1.0, 0.0, None, nslots)).time_s
     b = simulate(plan, 1, Costs(0.0, 1.0, 0.0, 1.0, None, nslots)).time_s
     return a, b

@@ -12,6 +12,7 @@ Integers wrap around as numpy's do. float16 is reduced in float32 and rounded on
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import numpy as np
 
@@ -121,3 +122,21 @@ def engine_types(dtype: np.dtype, op: ReduceOp) -> tuple[np.dtype, ReduceOp]:
 
 def dtype_name(code: int) -> str:
     return DTYPES[code].name if 0 <= code < len(DTYPES) else f"dtype#{code}"
+
+
+def identity(op: ReduceOp, dtype: np.dtype) -> Any:
+    """The value ``v`` with ``v (op) x == x`` for every ``x`` of ``dtype`` (exscan's rank 0 result)."""
+    if op in (ReduceOp.SUM, ReduceOp.BOR, ReduceOp.BXOR):
+        return dtype.type(0)
+    if op == ReduceOp.PROD:
+        return dtype.type(1)
+    if op == ReduceOp.BAND:
+        return np.ones((), dtype=dtype) if dtype.kind == "b" else ~dtype.type(0)
+    if dtype.kind == "b":
+        return op == ReduceOp.MIN  # MIN is logical and (identity True), MAX logical or (False)
+    if dtype.kind == "f":
+        return dtype.type(np.inf if op == ReduceOp.MIN else -np.inf)
+    if dtype.kind == "c":
+        raise ValueError(f"{op.name} has no identity for {dtype}")
+    info = np.iinfo(dtype)
+    return dtype.type(info.max if op == ReduceOp.MIN else info.min)

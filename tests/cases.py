@@ -22,10 +22,14 @@ from shmcoll.algos import registry
 from shmcoll.types import DTYPES, FOLD_UFUNC, supports
 
 SEED = 20261122
-REDUCING = ("reduce", "allreduce", "reduce_scatter")
-ROOTED = ("broadcast", "scatter", "gather", "reduce")
+REDUCING = ("reduce", "allreduce", "reduce_scatter", "reduce_scatterv", "scan", "exscan")
+PREFIX = ("scan", "exscan")
+ROOTED = ("broadcast", "scatter", "gather", "reduce", "gatherv", "scatterv")
 COLLECTIVES = ("broadcast", "scatter", "gather", "allgather", "reduce", "allreduce", "reduce_scatter", "alltoall")
-SAME_ON_ALL = ("broadcast", "allgather", "allreduce")
+# The variable-count collectives and the scans (host arrays only: the device matrix leaves them out).
+VARYING = ("allgatherv", "gatherv", "scatterv", "reduce_scatterv", "alltoallv")
+EVERY = COLLECTIVES + VARYING + PREFIX
+SAME_ON_ALL = ("broadcast", "allgather", "allreduce", "allgatherv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,16 +101,56 @@ def _values(rng: np.random.Generator, dtype: np.dtype, op: int, count: int, data
     return out
 
 
+def block_counts(case: Case, world_size: int) -> list[int]:
+    """A variable-count case's counts: uneven, zeros among them, up to ``case.count + 1``."""
+    return [(case.count + 3 * j + case.case_id) % (case.count + 2) for j in range(world_size)]
+
+
+def pair_counts(case: Case, world_size: int) -> list[list[int]]:
+    """An alltoallv case's matrix: ``m[i][j]`` elements from rank i to rank j."""
+    n = world_size
+    return [[(case.count + 3 * i + 5 * j + case.case_id) % (case.count + 2) for j in range(n)] for i in range(n)]
+
+
+def _displ(counts: list[int], j: int) -> slice:
+    at = sum(counts[:j])
+    return slice(at, at + counts[j])
+
+
 def inputs(case: Case, world_size: int) -> list[np.ndarray]:
     """Every rank's input (flat, as the collective sees it)."""
     dtype = np.dtype(case.dtype)
     n = world_size
-    per_rank = case.count * (n if case.kind in ("scatter", "reduce_scatter", "alltoall") else 1)
     out = []
     for r in range(n):
+        if case.kind in ("allgatherv", "gatherv"):
+            size = block_counts(case, n)[r]
+        elif case.kind in ("scatterv", "reduce_scatterv"):
+            size = sum(block_counts(case, n))
+        elif case.kind == "alltoallv":
+            size = sum(pair_counts(case, n)[r])
+        else:
+            size = case.count * (n if case.kind in ("scatter", "reduce_scatter", "alltoall") else 1)
         rng = np.random.default_rng([SEED, r, case.case_id])
-        out.append(_values(rng, dtype, case.op, per_rank, case.data))
+        out.append(_values(rng, dtype, case.op, size, case.data))
     return out
+
+
+def identity(op: int, dtype: np.dtype) -> np.ndarray:
+    """exscan's rank 0 result: the op's identity (as the API documents it), one element."""
+    op = ReduceOp(op)
+    if op in (ReduceOp.SUM, ReduceOp.BOR, ReduceOp.BXOR):
+        return np.zeros(1, dtype)
+    if op == ReduceOp.PROD:
+        return np.ones(1, dtype)
+    if op == ReduceOp.BAND:
+        return np.ones(1, dtype) if dtype.kind == "b" else np.full(1, -1).astype(dtype)
+    if dtype.kind == "b":
+        return np.array([op == ReduceOp.MIN])
+    if dtype.kind == "f":
+        return np.array([np.inf if op == ReduceOp.MIN else -np.inf], dtype)
+    info = np.iinfo(dtype)
+    return np.array([info.max if op == ReduceOp.MIN else info.min], dtype)
 
 
 def reduce_ref(op: int, stacked: np.ndarray, world_size: int) -> np.ndarray:
@@ -152,6 +196,22 @@ def expected(case: Case, xs: list[np.ndarray], rank: int) -> np.ndarray | None:
         return reduce_ref(case.op, np.stack(xs), n)
     if k == "reduce_scatter":
         return reduce_ref(case.op, np.stack(xs), n)[rank * c : (rank + 1) * c]
+    if k in ("allgatherv", "gatherv"):
+        everything = np.concatenate(xs)
+        return everything if k == "allgatherv" or rank == case.root else None
+    if k == "scatterv":
+        return xs[case.root][_displ(block_counts(case, n), rank)]
+    if k == "reduce_scatterv":
+        return reduce_ref(case.op, np.stack(xs), n)[_displ(block_counts(case, n), rank)]
+    if k == "alltoallv":
+        m = pair_counts(case, n)
+        return np.concatenate([xs[i][_displ(m[i], rank)] for i in range(n)])
+    if k == "scan":
+        return reduce_ref(case.op, np.stack(xs[: rank + 1]), rank + 1)
+    if k == "exscan":
+        if rank == 0:
+            return np.repeat(identity(case.op, xs[0].dtype), c)
+        return reduce_ref(case.op, np.stack(xs[:rank]), rank)
     raise ValueError(k)
 
 
@@ -220,6 +280,42 @@ def call(comm: Any, case: Case, x: np.ndarray) -> np.ndarray | None:
         if case.inplace:
             return comm.alltoall(full, out=full, **kw)
         return comm.alltoall(full, **kw)
+    if k in ("scan", "exscan"):
+        fn = comm.scan if k == "scan" else comm.exscan
+        x = x.reshape(-1, 2) if case.shape2d else x
+        if case.inplace:
+            return fn(x, case.op, **kw).reshape(-1)
+        return fn(x, case.op, out=np.empty_like(x), **kw).reshape(-1)
+    if k == "alltoallv":
+        m = pair_counts(case, n)
+        return comm.alltoallv(x, m[r], [m[i][r] for i in range(n)], **kw)
+    counts = block_counts(case, n)
+    mine = _displ(counts, case.root if k in ROOTED else r)
+    if k == "allgatherv":
+        if case.inplace:
+            out = np.empty(sum(counts), x.dtype)
+            out[mine] = x
+            return comm.allgatherv(out[mine], counts, out=out, **kw)
+        return comm.allgatherv(x, counts, **kw)
+    if k == "gatherv":
+        if r != case.root:  # non-roots need not know the counts; odd cases pass them anyway
+            return comm.gatherv(x, counts if case.case_id % 2 else None, root=case.root, **kw)
+        if case.inplace:
+            out = np.empty(sum(counts), x.dtype)
+            out[mine] = x
+            return comm.gatherv(out[mine], counts, root=case.root, out=out, **kw)
+        return comm.gatherv(x, counts, root=case.root, **kw)
+    if k == "scatterv":
+        if r != case.root:
+            out = np.empty(counts[r], x.dtype)
+            return comm.scatterv(None, counts if case.case_id % 2 else None, root=case.root, out=out, **kw)
+        if case.inplace:
+            return comm.scatterv(x, counts, root=case.root, out=x[mine], **kw)
+        return comm.scatterv(x, counts, root=case.root, **kw)
+    if k == "reduce_scatterv":
+        if case.inplace:
+            return comm.reduce_scatter(x, case.op, counts, out=x[mine], **kw).copy()
+        return comm.reduce_scatter(x, case.op, counts, **kw)
     raise ValueError(k)
 
 
@@ -278,6 +374,8 @@ def matrix(
                     counts = counts_for(world_size, slot_capacity)
                     if kind in REDUCING:
                         ops = [op for op in ReduceOp if supports(op, dtype)]
+                        if kind in PREFIX:  # (AVG has no prefix form)
+                            ops = [op for op in ops if op != ReduceOp.AVG]
                     else:
                         ops = [ReduceOp.SUM]
                     for op in ops:
@@ -322,7 +420,15 @@ def matrix(
                                         data="nan",
                                     )
                         if dtype.kind in "iu":
-                            for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PROD):
+                            for op in (
+                                (ReduceOp.SUM, ReduceOp.PROD)
+                                if kind in PREFIX
+                                else (
+                                    ReduceOp.SUM,
+                                    ReduceOp.AVG,
+                                    ReduceOp.PROD,
+                                )
+                            ):
                                 add(
                                     kind=kind,
                                     algorithm=alg,

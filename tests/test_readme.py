@@ -38,3 +38,14 @@ def test_readme_example_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().startswith("[")
+
+
+def test_every_runnable_readme_block_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Each python block that starts ranks itself (``if __name__ == "__main__"``) runs as shown."""
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", _read("README.md"), re.S) if "__main__" in b]
+    assert len(blocks) >= 3
+    for i, code in enumerate(blocks):
+        script = tmp_path / f"block{i}.py"
+        script.write_text(code)
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"block {i}:\n{code}\n{proc.stderr}"

@@ -321,7 +321,12 @@ class ClosedForm:
 
 @functools.lru_cache(maxsize=256)
 def closed_form(collective: str, algorithm: str, group_size: int | None = None, nslots: int = 4) -> ClosedForm | None:
-    """Fit ``algorithm``'s closed form (``None`` if no domain fits every figure exactly)."""
+    """Fit ``algorithm``'s closed form (``None`` if no domain fits every figure exactly).
+
+    Variable-count collectives have none: their plans depend on the counts, not on one size.
+    """
+    if collectives.get(collective).varying:
+        return None
     names = FIGURES + (INTER_FIGURES if group_size is not None else ())
     for dom in domains(group_size):
         data: dict[int, dict[str, Fraction]] = {}

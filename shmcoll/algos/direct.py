@@ -10,13 +10,40 @@ allreduce results are bitwise identical everywhere.
 Rounds: 1. Bytes sent per rank per piece: ``(n-1) V`` for allreduce and allgather,
 ``(n-1) V/n``-sized blocks for reduce_scatter and alltoall, ``(n-1) V`` at the root of broadcast
 and scatter. Every step moves one whole piece, so a piece is one slot's worth of elements.
+
+**scan** and **exscan**: rank ``r`` sends its input to every later rank and combines what it
+needs in rank order, ``((x0 (op) x1) (op) ...) (op) xr`` (exscan: up to ``x(r-1)``; rank 0's
+output is not written). Rounds: 1. Bytes sent by rank ``r`` per piece: ``(n-1-r) V``; rank
+``n-1`` receives ``(n-1) V``. No division: the API rejects AVG for scans.
+
+**The variable-count forms** (allgatherv, gatherv, scatterv, reduce_scatterv, alltoallv) take
+the counts in the plan (``ctx.counts``, ``ctx.matrix``) and build the whole call as one plan,
+cutting each block into slot-sized fragments themselves: round ``f`` moves fragment ``f`` of
+every block that has one, as the uniform forms move one piece. Rounds: the largest block's
+fragments, ``ceil(max count / slot)``. Bytes sent per rank: ``(n-1) counts[r]`` for
+allgatherv; ``counts[r]`` to the root for gatherv, and ``sum(counts) - counts[root]`` from it
+for scatterv; ``sum(counts) - counts[r]`` for reduce_scatterv; row ``r`` of the matrix but its
+own block for alltoallv. Every message is tagged with its whole block's count + 1
+(``Step.tag``), so ranks that disagree on the counts fail with a mismatch. An alltoallv rank's
+program reads only its own row and column of the matrix, all it knows at run time.
+Constraints: none; every world size, count (zero-size blocks send nothing) and root; in place
+as the collective allows (never for alltoallv).
 """
 
 from __future__ import annotations
 
 from shmcoll.algos.registry import register
-from shmcoll.plan.builder import Context, accumulate_in_rank_order
-from shmcoll.plan.ir import Buf
+from shmcoll.plan.builder import (
+    Context,
+    accumulate_in_rank_order,
+    block_counts,
+    displs,
+    fragments,
+    pair_count,
+    tagged,
+    whole_call,
+)
+from shmcoll.plan.ir import Buf, Region
 
 
 def _others(ctx: Context, rank: int) -> list[int]:
@@ -152,8 +179,194 @@ def barrier(ctx: Context) -> None:
         distance *= 2
 
 
-@register("p2p", "direct")
-def p2p(ctx: Context) -> None:
-    """Point to point: ``root`` sends its input to ``peer``'s output."""
-    ctx.send(ctx.root, ctx.peer, ctx.region(Buf.IN), ctx.count)
-    ctx.recv(ctx.peer, ctx.root, ctx.region(Buf.OUT), ctx.count)
+# --- prefix reductions ------------------------------------------------------------------------
+@register("scan", "direct")
+def scan(ctx: Context) -> None:
+    """Each rank sends its input to every later rank; rank r combines x0 .. xr in rank order."""
+    n, count = ctx.world_size, ctx.count
+    # In place, ranks from 2 on keep the running value apart from their own input until they
+    # have used it (one region serves every rank: scratch is private to each).
+    scratch = ctx.tmp(count) if ctx.inplace and n > 2 else None
+    for rank in range(n):
+        for peer in range(rank + 1, n):
+            ctx.send(rank, peer, ctx.region(Buf.IN), count)
+        if rank == 0:
+            if not ctx.inplace:
+                ctx.copy(0, ctx.region(Buf.IN), ctx.region(Buf.OUT), count)
+            continue
+        accumulate_in_rank_order(
+            ctx,
+            rank,
+            ctx.region(Buf.IN),
+            ctx.region(Buf.OUT),
+            count,
+            list(range(rank + 1)),
+            acc_aliases_own=ctx.inplace,
+            final=False,
+            scratch=scratch,
+        )
+
+
+@register("exscan", "direct")
+def exscan(ctx: Context) -> None:
+    """Each rank sends its input to every later rank; rank r >= 1 combines x0 .. x(r-1) in rank
+    order; rank 0's output is left alone."""
+    n, count = ctx.world_size, ctx.count
+    for rank in range(n):
+        for peer in range(rank + 1, n):
+            ctx.send(rank, peer, ctx.region(Buf.IN), count)
+        # Our own input has left before anything is received, so in place the result may
+        # overwrite it at once.
+        if rank == 1:
+            ctx.recv(1, 0, ctx.region(Buf.OUT), count)
+        elif rank > 1:
+            accumulate_in_rank_order(
+                ctx,
+                rank,
+                ctx.region(Buf.IN),  # not a contributor: never read
+                ctx.region(Buf.OUT),
+                count,
+                list(range(rank)),
+                acc_aliases_own=False,
+                final=False,
+            )
+
+
+# --- variable counts ----------------------------------------------------------------------------
+# The whole call is one plan (``passes.plan_call``): blocks are cut into slot-sized fragments
+# here, and round f moves fragment f of every block that has one. A rank posts its sends of a
+# round (at most one message per channel) before its receives, so with one slot per ring a
+# send waits at most for the previous round's message to be taken: no deadlock, whatever the
+# counts. Every message carries its block's count + 1 as its tag.
+def _frags(ctx: Context, counts: tuple[int, ...] | list[int]) -> list[list[tuple[int, int]]]:
+    return [fragments(c, ctx.slot_capacity) for c in counts]
+
+
+def _rounds(frags: list[list[tuple[int, int]]]) -> range:
+    return range(max((len(f) for f in frags), default=0))
+
+
+def _at(buf: Buf, off: int) -> Region:
+    return Region(buf, off)
+
+
+@register("allgatherv", "direct", piece=whole_call)
+def allgatherv(ctx: Context) -> None:
+    """Each rank sends its block to every rank, one fragment per round."""
+    counts = block_counts(ctx)
+    at = displs(counts)
+    frags = _frags(ctx, counts)
+    for f in _rounds(frags):
+        for rank in range(ctx.world_size):
+            if f < len(frags[rank]):
+                off, c = frags[rank][f]
+                with tagged(ctx, counts[rank] + 1):
+                    for peer in _others(ctx, rank):
+                        ctx.send(rank, peer, _at(Buf.IN, off), c)
+            for peer in _others(ctx, rank):
+                if f < len(frags[peer]):
+                    off, c = frags[peer][f]
+                    with tagged(ctx, counts[peer] + 1):
+                        ctx.recv(rank, peer, _at(Buf.OUT, at[peer] + off), c)
+    if not ctx.inplace:  # in place, IN already is OUT's block
+        for rank in range(ctx.world_size):
+            ctx.copy(rank, _at(Buf.IN, 0), _at(Buf.OUT, at[rank]), counts[rank])
+
+
+@register("gatherv", "direct", piece=whole_call)
+def gatherv(ctx: Context) -> None:
+    """Each rank sends its block to the root, one fragment per round."""
+    root = ctx.root
+    counts = block_counts(ctx)
+    at = displs(counts)
+    frags = _frags(ctx, counts)
+    for f in _rounds(frags):
+        for peer in _others(ctx, root):
+            if f < len(frags[peer]):
+                off, c = frags[peer][f]
+                with tagged(ctx, counts[peer] + 1):
+                    ctx.send(peer, root, _at(Buf.IN, off), c)
+                    ctx.recv(root, peer, _at(Buf.OUT, at[peer] + off), c)
+    if not ctx.inplace:
+        ctx.copy(root, _at(Buf.IN, 0), _at(Buf.OUT, at[root]), counts[root])
+
+
+@register("scatterv", "direct", piece=whole_call)
+def scatterv(ctx: Context) -> None:
+    """Root sends block j of its input to rank j, one fragment per round."""
+    root = ctx.root
+    counts = block_counts(ctx)
+    at = displs(counts)
+    frags = _frags(ctx, counts)
+    for f in _rounds(frags):
+        for peer in _others(ctx, root):
+            if f < len(frags[peer]):
+                off, c = frags[peer][f]
+                with tagged(ctx, counts[peer] + 1):
+                    ctx.send(root, peer, _at(Buf.IN, at[peer] + off), c)
+                    ctx.recv(peer, root, _at(Buf.OUT, off), c)
+    if not ctx.inplace:
+        ctx.copy(root, _at(Buf.IN, at[root]), _at(Buf.OUT, 0), counts[root])
+
+
+@register("reduce_scatterv", "direct", piece=whole_call)
+def reduce_scatterv(ctx: Context) -> None:
+    """Each rank sends block j of its input to rank j, which combines them in rank order; one
+    fragment of every block per round."""
+    n = ctx.world_size
+    counts = block_counts(ctx)
+    at = displs(counts)
+    frags = _frags(ctx, counts)
+    if n == 1:
+        if not ctx.inplace:
+            ctx.copy(0, _at(Buf.IN, 0), _at(Buf.OUT, 0), counts[0])
+        return
+    contributors = list(range(n))
+    # In place, a rank from 2 on keeps its running value apart from its own block until it has
+    # used it; one fragment's worth serves every fragment and rank.
+    held = max((c for r in range(2, n) for _, c in frags[r]), default=0)
+    scratch = ctx.tmp(held) if ctx.inplace and held else None
+    for f in _rounds(frags):
+        for rank in contributors:
+            for peer in _others(ctx, rank):
+                if f < len(frags[peer]):
+                    off, c = frags[peer][f]
+                    with tagged(ctx, counts[peer] + 1):
+                        ctx.send(rank, peer, _at(Buf.IN, at[peer] + off), c)
+            if f < len(frags[rank]):
+                off, c = frags[rank][f]
+                with tagged(ctx, counts[rank] + 1):
+                    accumulate_in_rank_order(
+                        ctx,
+                        rank,
+                        _at(Buf.IN, at[rank] + off),
+                        _at(Buf.OUT, off),
+                        c,
+                        contributors,
+                        acc_aliases_own=ctx.inplace,
+                        scratch=scratch,
+                    )
+
+
+@register("alltoallv", "direct", piece=whole_call)
+def alltoallv(ctx: Context) -> None:
+    """Each rank sends its block for rank j to rank j, one fragment of every block per round."""
+    n = ctx.world_size
+    for rank in range(n):
+        # Only this rank's row (what it sends) and column (what it receives) of the matrix.
+        sends = [pair_count(ctx, rank, j) for j in range(n)]
+        recvs = [pair_count(ctx, i, rank) for i in range(n)]
+        send_at, recv_at = displs(sends), displs(recvs)
+        out_frags, in_frags = _frags(ctx, sends), _frags(ctx, recvs)
+        for f in _rounds(out_frags + in_frags):
+            for peer in _others(ctx, rank):
+                if f < len(out_frags[peer]):
+                    off, c = out_frags[peer][f]
+                    with tagged(ctx, sends[peer] + 1):
+                        ctx.send(rank, peer, _at(Buf.IN, send_at[peer] + off), c)
+            for peer in _others(ctx, rank):
+                if f < len(in_frags[peer]):
+                    off, c = in_frags[peer][f]
+                    with tagged(ctx, recvs[peer] + 1):
+                        ctx.recv(rank, peer, _at(Buf.OUT, recv_at[peer] + off), c)
+        ctx.copy(rank, _at(Buf.IN, send_at[rank]), _at(Buf.OUT, recv_at[rank]), sends[rank])

@@ -13,12 +13,22 @@ Rounds: ``n - 1``. Bytes sent per rank per piece: ``(n - 1) V`` for ``V`` elemen
 piece, so a piece is one slot. In place with ``n`` not a power of two, a block can arrive
 before the rank has sent its own block to that peer (which lives at the same place); such early
 arrivals wait in scratch and are copied home once sent, a local change only.
+
+**alltoallv** takes the same partners with blocks of any size (``ctx.matrix``, the whole call
+in one plan): in round ``k`` a rank sends its block for ``to`` and receives ``frm``'s block for
+it, cut into slot-sized fragments and interleaved, fragment ``f`` out then fragment ``f`` in, so
+that with one slot per ring a send waits at most for the partner to take the previous fragment,
+which it does before its own next send: no deadlock, whatever the sizes. Each message carries
+its pair's count + 1 as its tag (``Step.tag``), and a rank's program reads only its own row and
+column of the matrix.
+Rounds: ``n - 1``, each of ``ceil(max(sent, received) / slot)`` fragments. Bytes sent per
+rank: its row of the matrix but its own block. Never in place.
 """
 
 from __future__ import annotations
 
 from shmcoll.algos.registry import register
-from shmcoll.plan.builder import Context
+from shmcoll.plan.builder import Context, displs, fragments, pair_count, tagged, whole_call
 from shmcoll.plan.ir import Buf, Region
 
 
@@ -55,3 +65,28 @@ def alltoall(ctx: Context) -> None:
                 ctx.copy(rank, Region(Buf.TMP, scratch + (j - 1) * count), ctx.block_region(Buf.OUT, to), count)
         if not ctx.inplace:
             ctx.copy(rank, ctx.block_region(Buf.IN, rank), ctx.block_region(Buf.OUT, rank), count)
+
+
+@register("alltoallv", "pairwise", piece=whole_call)
+def alltoallv(ctx: Context) -> None:
+    """Round ``k``: send our block for ``to``, receive ``frm``'s block for us, fragment by fragment."""
+    n = ctx.world_size
+    for rank in range(n):
+        # Only this rank's row (what it sends) and column (what it receives) of the matrix.
+        sends = [pair_count(ctx, rank, j) for j in range(n)]
+        recvs = [pair_count(ctx, i, rank) for i in range(n)]
+        send_at, recv_at = displs(sends), displs(recvs)
+        for k in range(1, n):
+            to, frm = partners(rank, n, k)
+            out = fragments(sends[to], ctx.slot_capacity)
+            into = fragments(recvs[frm], ctx.slot_capacity)
+            for f in range(max(len(out), len(into))):
+                if f < len(out):
+                    off, c = out[f]
+                    with tagged(ctx, sends[to] + 1):
+                        ctx.send(rank, to, Region(Buf.IN, send_at[to] + off), c)
+                if f < len(into):
+                    off, c = into[f]
+                    with tagged(ctx, recvs[frm] + 1):
+                        ctx.recv(rank, frm, Region(Buf.OUT, recv_at[frm] + off), c)
+        ctx.copy(rank, Region(Buf.IN, send_at[rank]), Region(Buf.OUT, recv_at[rank]), sends[rank])

@@ -25,13 +25,31 @@ adds its own value and forwards; the root finishes). Pipelining comes from the p
 forwards piece ``p`` while its predecessor already sends piece ``p + 1``, so a call of many pieces
 costs about ``pieces + n - 2`` hops rather than ``pieces * (n - 1)``.
 
+**scan** and **exscan** are pipelined chains ``0 -> 1 -> ... -> n-1`` like reduce: rank ``r``
+receives the running prefix from ``r-1``, combines it with its own value (received value on the
+left, so every result is ``((x0 (op) x1) (op) ...) (op) xr``) and forwards it. scan stores what
+it forwards; exscan stores what it received and forwards ``prefix(r-1) (op) x_r``, a local
+reduce that goes straight into the slot (in place, the received prefix waits in scratch until
+the input it overwrites has been combined).
+
+**allgatherv** runs allgather's ring on slot-sized fragments of the variable-size blocks
+(``ctx.counts``, the whole call in one plan): pass ``f`` takes the ``f``-th fragment of every
+block that has one around the ring, ``n-1`` steps, and a block without one is simply skipped
+by every rank. As in allgather, at step ``t`` of a pass rank ``t`` keeps its receive and
+forward apart when rings have one slot: the ring could deadlock only if every rank sat in a
+fused step of the same step index. Its messages carry the block's count + 1 as their tag
+(``Step.tag``).
+
 Rounds per piece (``n`` ranks): allreduce ``2(n-1)``; reduce_scatter, allgather ``n-1``;
-broadcast and reduce ``n-1`` (chain latency; ``1`` in steady state when pipelined).
+broadcast, reduce, scan and exscan ``n-1`` (chain latency; ``1`` in steady state when
+pipelined); allgatherv ``n-1`` per pass, ``ceil(max count / slot)`` passes.
 Bytes sent per rank, for ``V`` bytes per rank's vector: allreduce ``2 (n-1)/n V``;
 reduce_scatter and allgather ``(n-1) B`` for blocks of ``B`` bytes (``(n-1)/n`` of
-reduce_scatter's input); broadcast and reduce ``V`` on every rank but the chain's end (0).
+reduce_scatter's input); broadcast, reduce, scan and exscan ``V`` on every rank but the
+chain's end (0); allgatherv ``sum(counts) - counts[r+1]`` elements.
 Constraints: none; every world size, count (0 included), root and in-place combination. An
-allreduce piece is ``n`` slots' worth (each chunk one slot), the others one slot per block.
+allreduce piece is ``n`` slots' worth (each chunk one slot), the others one slot per block;
+allgatherv is never cut into pieces (it cuts its own messages).
 """
 
 from __future__ import annotations
@@ -39,8 +57,8 @@ from __future__ import annotations
 import dataclasses
 
 from shmcoll.algos.registry import register
-from shmcoll.plan.builder import Context, split
-from shmcoll.plan.ir import Buf, Region
+from shmcoll.plan.builder import Context, block_counts, displs, fragments, split, tagged, whole_call
+from shmcoll.plan.ir import Buf, Region, Step
 
 
 def _allreduce_piece(slot_capacity: int, world_size: int) -> int:
@@ -205,3 +223,78 @@ def reduce(ctx: Context) -> None:
         ctx.recv_reduce(rank, chain[i - 1], _at(Buf.IN), acc, count, final=last, received_left=True)
         if not last:
             ctx.send(rank, chain[i + 1], acc, count)
+
+
+@register("allgatherv", "ring", piece=whole_call)
+def allgatherv(ctx: Context) -> None:
+    """allgather's ring on fragments: pass ``f`` sends the ``f``-th fragment of every block that
+    has one around the ring; ``n-1`` steps per pass."""
+    n = ctx.world_size
+    counts = block_counts(ctx)
+    at = displs(counts)
+    frags = [fragments(c, ctx.slot_capacity) for c in counts]
+    for f in range(max((len(x) for x in frags), default=0)):
+        for r in range(n):
+            right, left = (r + 1) % n, (r - 1) % n
+            if n > 1 and f < len(frags[r]):
+                off, c = frags[r][f]
+                with tagged(ctx, counts[r] + 1):
+                    ctx.send(r, right, _at(Buf.IN, off), c)
+            if f == 0 and not ctx.inplace:
+                # In place, IN already is OUT's block r.
+                ctx.copy(r, _at(Buf.IN), _at(Buf.OUT, at[r]), counts[r])
+            # Step t: block r - 1 - t arrives, and moves on unless it has gone all the way round.
+            for t in range(n - 1):
+                block = (r - 1 - t) % n
+                if f >= len(frags[block]):
+                    continue  # no such fragment: nobody sends or receives it
+                off, c = frags[block][f]
+                dst = _at(Buf.OUT, at[block] + off)
+                with tagged(ctx, counts[block] + 1):
+                    ctx.recv(r, left, dst, c)
+                    if t < n - 2:
+                        # As ``_take`` does: at step t rank t keeps its receive and forward
+                        # apart, so that with one slot per ring the ring never fills with
+                        # fused steps that each wait for the next one's slot.
+                        if t == r:
+                            ctx.no_fuse(r)
+                        ctx.send(r, right, dst, c)
+
+
+@register("scan", "ring")
+def scan(ctx: Context) -> None:
+    """Chain ``0 -> 1 -> ... -> n-1``: receive the prefix, add your value, store and forward it."""
+    n, count = ctx.world_size, ctx.count
+    if n > 1:
+        ctx.send(0, 1, _at(Buf.IN), count)
+    if not ctx.inplace:
+        ctx.copy(0, _at(Buf.IN), _at(Buf.OUT), count)
+    for r in range(1, n):
+        # prefix(r) = prefix(r-1) (op) x_r. In place, IN[i] is read in the step that overwrites
+        # it, element by element: safe. A chain has no cycle, so every forward may fuse.
+        ctx.recv_reduce(r, r - 1, _at(Buf.IN), _at(Buf.OUT), count, received_left=True)
+        if r < n - 1:
+            ctx.send(r, r + 1, _at(Buf.OUT), count)
+
+
+@register("exscan", "ring")
+def exscan(ctx: Context) -> None:
+    """Chain ``0 -> 1 -> ... -> n-1``: store the prefix received, forward it combined with your
+    value; rank 0's output is left alone."""
+    n, count = ctx.world_size, ctx.count
+    if n == 1:
+        return
+    ctx.send(0, 1, _at(Buf.IN), count)
+    # In place, the prefix received must not overwrite our input before it has been combined
+    # with it: it waits in scratch and is copied home after the forward.
+    held = ctx.tmp(count) if ctx.inplace and n > 2 else None
+    for r in range(1, n):
+        if r == n - 1:
+            ctx.recv(r, r - 1, _at(Buf.OUT), count)
+            break
+        prefix = held if held is not None else _at(Buf.OUT)
+        ctx.recv(r, r - 1, prefix, count)
+        # prefix(r) = prefix(r-1) (op) x_r goes straight into the slot to the right.
+        ctx.emit(r, Step(count=count, send=r + 1, a=prefix, b=_at(Buf.IN), reduce=True))
+        if held is not None:
+            ctx.copy(r, held, _at(Buf.OUT), count)

@@ -33,7 +33,30 @@ def address(a: Any) -> int:
 
 
 def not_array(name: str, value: object) -> TypeError:
-    return TypeError(f"{name} must be a numpy.ndarray, got {type(value).__name__}")
+    return TypeError(
+        f"{name} must be a numpy.ndarray (or an object with the buffer protocol, or a device array), "
+        f"got {type(value).__name__}"
+    )
+
+
+def as_host(value: Any) -> np.ndarray | None:
+    """A zero-copy numpy view of an object with the buffer protocol (``bytearray``,
+    ``memoryview``, ``array.array``, ``bytes`` read-only), or None if it has none."""
+    try:
+        view = memoryview(value)
+    except TypeError:
+        return None
+    if not view.c_contiguous:
+        raise ValueError("a buffer must be C-contiguous")
+    return np.asarray(view)
+
+
+def not_host_array(name: str, value: object) -> np.ndarray:
+    """``value`` as a numpy view when it is an array of another kind; TypeError otherwise."""
+    view = as_host(value)
+    if view is None:
+        raise not_array(name, value)
+    return view
 
 
 def check_read(a: Any, name: str) -> bool:
@@ -100,16 +123,45 @@ def is_block_of(part: Any, whole: Any, block: int, world_size: int) -> bool:
     raise ValueError(f"input and output overlap, but not as block {block} (this rank's block) of the larger one")
 
 
+def is_span_of(part: Any, whole: Any, offset: int, count: int) -> bool:
+    """Whether ``part`` is exactly elements ``[offset, offset + count)`` of ``whole`` (the in-place
+    form of a variable-count collective); raises if they overlap any other way."""
+    if not overlap(part, whole):
+        return False
+    itemsize = whole.dtype.itemsize
+    if address(part) == address(whole) + offset * itemsize and part.nbytes == count * itemsize:
+        return True
+    raise ValueError(
+        f"input and output overlap, but not as elements [{offset}, {offset + count}) "
+        f"(this rank's block) of the larger one"
+    )
+
+
+def check_counts(counts: Any, name: str, world_size: int) -> tuple[int, ...]:
+    """``counts`` (one count of elements per rank) as a tuple of ints; raises naming what is wrong."""
+    if isinstance(counts, (str, bytes)) or not hasattr(counts, "__len__"):
+        raise TypeError(f"{name} must be a sequence of {world_size} counts (one per rank), got {type(counts).__name__}")
+    if len(counts) != world_size:
+        raise ValueError(f"{name} must have one count per rank ({world_size}), got {len(counts)}")
+    out = []
+    for j, c in enumerate(counts):
+        if isinstance(c, (bool, np.bool_)) or not isinstance(c, (int, np.integer)):
+            raise TypeError(f"{name}[{j}] must be an int, got {type(c).__name__}")
+        if c < 0:
+            raise ValueError(f"{name}[{j}] = {c} is negative")
+        out.append(int(c))
+    return tuple(out)
+
+
+def check_size(a: Any, name: str, count: int, why: str) -> None:
+    """``a`` must hold exactly ``count`` elements (``why`` says where the count comes from)."""
+    if a.size != count:
+        raise ValueError(f"{name} has {a.size} elements, but {why} is {count}")
+
+
 def check_root(root: Any, world_size: int) -> None:
     if not isinstance(root, (int, np.integer)) or not 0 <= root < world_size:
         raise ValueError(f"root {root!r} out of range for world_size {world_size}")
-
-
-def check_peer(peer: Any, name: str, rank: int, world_size: int) -> None:
-    if not isinstance(peer, (int, np.integer)) or not 0 <= peer < world_size:
-        raise ValueError(f"{name}={peer!r} out of range for world_size {world_size}")
-    if peer == rank:
-        raise ValueError(f"{name}={peer} is this rank itself")
 
 
 def check_dtype(dtype: np.dtype) -> None:

@@ -6,7 +6,8 @@ One binder per family of collectives, driven by the collective's record
 - :func:`elementwise`: the result has x's shape (allreduce, reduce, broadcast, alltoall);
 - :func:`gathering`: the result stacks one block per rank (allgather, gather);
 - :func:`scattering`: the input holds one block per rank (scatter, reduce_scatter);
-- :func:`point_to_point` and :func:`barrier`.
+- :func:`varying`: flat buffers cut into blocks by counts (the v-forms);
+- :func:`barrier`.
 
 A binder checks the arrays (shape, dtype, contiguity, writeability, overlap), decides whether
 the call is in place, finds the call shape, allocates a result the caller did not give, and
@@ -82,15 +83,18 @@ def _reroute(rt: Runtime, coll: Collective, x: Any, out: Any, algorithm: str, ro
         kind = device.DEVICE
         dx = kind.describe(x, "x")
         return dx, dx if out is x else kind.describe(out, "out"), algorithm, None, kind
-    if isinstance(probe, np.ndarray) or probe is None:
-        if out is not None and not isinstance(out, np.ndarray):
-            raise arrays.not_array("out", out)
+    if isinstance(probe, np.ndarray) and (out is None or isinstance(out, np.ndarray)):
         return None
-    raise arrays.not_array("out" if x is None else "x", probe)
+    # Buffers (bytearray, memoryview, array.array): bound as numpy views of the same memory.
+    vx = x if x is None or isinstance(x, np.ndarray) else arrays.not_host_array("x", x)
+    vout = (
+        vx if out is x else (out if out is None or isinstance(out, np.ndarray) else arrays.not_host_array("out", out))
+    )
+    return vx, vout, algorithm, None, HOST
 
 
 def _returned(b: Any, given: tuple[Any, Any], bound_with: tuple[Any, Any]) -> Any:
-    # A call given a SharedArray returns that array, not the plain view it ran on.
+    # A call given a SharedArray (or a buffer) returns that object, not the view it ran on.
     if type(b) is not tuple:
         return b
     for mine, theirs in zip(bound_with, given, strict=True):
@@ -255,40 +259,132 @@ def scattering(
     return kind.bind(rt, call, x, out, out, placement, writeable)
 
 
-def point_to_point(rt: Runtime, send: bool, buf: Any, peer: Any) -> Bound:
-    """send (``buf`` is read) or recv (``buf`` is written) between this rank and ``peer``."""
-    name = "x" if send else "buf"
-    if type(buf) is not np.ndarray:
-        if registered.is_registered(buf):
-            buf = buf.view(np.ndarray)
-        elif device.is_device(buf):
-            return device.PointToPoint(rt, send, buf, peer)  # type: ignore[return-value]
-        elif not isinstance(buf, np.ndarray):
-            raise arrays.not_array(name, buf)
-    writeable = True
-    if send:
-        writeable = arrays.check_read(buf, name)
+def _flat_host(rt: Runtime, coll: Collective, x: Any, out: Any) -> tuple[Any, Any]:
+    """A variable-count call's arrays as plain numpy arrays (views of buffers and SharedArrays)."""
+
+    def plain(a: Any, name: str) -> Any:
+        if a is None or type(a) is np.ndarray:
+            return a
+        if device.is_device(a):
+            raise TypeError(f"{coll.name} takes host arrays; {name} is a device array (copy it to the host)")
+        if isinstance(a, np.ndarray):
+            return a.view(np.ndarray)
+        return arrays.not_host_array(name, a)
+
+    px = plain(x, "x")
+    return px, px if out is x else plain(out, "out")
+
+
+def _result(rt: Runtime, name: str, out: Any, count: int, dtype: np.dtype, why: str) -> Any:
+    """The caller's ``out`` (checked: ``count`` elements of ``dtype``, writeable), or a new 1-d array."""
+    if out is None:
+        return arrays.new_output(name, (count,), dtype, rt._mem_total)
+    arrays.check_written(out, "out")
+    if out.dtype != dtype:
+        raise TypeError(f"{name}: out has dtype {out.dtype}, expected {dtype} (x's)")
+    arrays.check_size(out, "out", count, why)
+    return out
+
+
+def varying(
+    rt: Runtime,
+    coll: Collective,
+    x: Any,
+    out: Any,
+    counts: Any,
+    op: Any,
+    root: Any,
+    algorithm: str,
+    recv_counts: Any = None,
+) -> Bound:
+    """allgatherv, gatherv, scatterv, reduce_scatterv, alltoallv: flat buffers cut into blocks of
+    ``counts[j]`` elements for rank ``j`` (alltoallv: ``counts`` is what this rank sends each
+    rank, ``recv_counts`` what it receives from each). A result the caller did not give is 1-d.
+
+    The call signature carries the total where every rank knows it (allgatherv,
+    reduce_scatterv); each message carries its block's count, so ranks that disagree on the
+    counts fail with a mismatch naming both counts.
+    """
+    given = (x, out)
+    x, out = flat = _flat_host(rt, coll, x, out)
+    n, rank, name = rt._world_size, rt._rank, coll.name
+    if coll.name == "alltoallv":
+        return _returned(_alltoallv(rt, coll, x, out, counts, recv_counts, algorithm), given, flat)
+    if coll.rooted:
+        arrays.check_root(root, n)
+    at_root = rank == root
+    if counts is None:
+        if not coll.rooted or at_root:
+            raise ValueError(f"{name}: counts is required" + (" on the root" if coll.rooted else ""))
     else:
-        arrays.check_written(buf, name)
-    key = ("send" if send else "recv", buf.dtype, buf.size, peer)
+        counts = arrays.check_counts(counts, "counts", n)
+    writeable = True
+    inplace = False
+    if coll.rooted and not at_root:
+        # A root's counts are all that matter; this rank's program needs only its own block.
+        if coll.input_at_root:  # scatterv: out gives this rank's size
+            if out is None:
+                raise ValueError(f"{name}: non-root ranks must pass out= (it gives the size and dtype)")
+            arrays.check_written(out, "out")
+            mine, dtype, x = out.size, out.dtype, None
+        else:  # gatherv
+            if x is None:
+                raise arrays.not_array("x", x)
+            writeable = arrays.check_read(x, "x")
+            mine, dtype, out = x.size, x.dtype, None
+        if counts is not None and counts[rank] != mine:
+            raise ValueError(f"{name}: this rank's block has {mine} elements, but counts[{rank}] is {counts[rank]}")
+        counts = tuple(mine if j == rank else 0 for j in range(n))
+    else:
+        if x is None:
+            raise arrays.not_array("x", x)
+        writeable = arrays.check_read(x, "x")
+        dtype = x.dtype
+        total = sum(counts)
+        me = root if coll.rooted else rank
+        at = sum(counts[:me])
+        if coll.blocks_out:  # allgatherv, gatherv: x is my block, out all of them
+            arrays.check_size(x, "x", counts[me], f"counts[{me}]")
+            out = _result(rt, name, out, total, dtype, "sum(counts)")
+            inplace = arrays.is_span_of(x, out, at, counts[me])
+        else:  # scatterv, reduce_scatterv: x holds every block, out is mine
+            arrays.check_size(x, "x", total, "sum(counts)")
+            out = _result(rt, name, out, counts[me], dtype, f"counts[{me}]")
+            inplace = arrays.is_span_of(out, x, at, counts[me])
+    agreed = sum(counts) if not coll.rooted else 0  # (a rooted call's non-roots know only theirs)
+    key = (coll.code, dtype, counts, op, algorithm, inplace, root)
     call = rt._calls.get(key)
     if call is None:
-        arrays.check_peer(peer, "dst" if send else "src", rt._rank, rt._world_size)
-        sender, receiver = (rt._rank, peer) if send else (peer, rt._rank)
         call = rt._shape(
-            key,
-            "p2p",
-            buf.dtype,
-            buf.size,
-            algorithm="direct",
-            root=sender,
-            peer=receiver,
-            p2p_peer=peer,
-            p2p_send=send,
+            key, name, dtype, agreed, op=op, algorithm=algorithm, inplace=inplace, root=root, counts=counts
         )
-    if send:
-        return rt._bind(call, buf, None, None, None, writeable)  # type: ignore[no-any-return]
-    return rt._bind(call, None, buf, buf, None)  # type: ignore[no-any-return]
+    return _returned(HOST.bind(rt, call, x, out, out, None, writeable), given, flat)
+
+
+def _alltoallv(rt: Runtime, coll: Collective, x: Any, out: Any, send: Any, recv: Any, algorithm: str) -> Bound:
+    n, rank = rt._world_size, rt._rank
+    send = arrays.check_counts(send, "send_counts", n)
+    recv = arrays.check_counts(recv, "recv_counts", n)
+    if send[rank] != recv[rank]:
+        raise ValueError(
+            f"alltoallv: send_counts[{rank}] = {send[rank]} but recv_counts[{rank}] = {recv[rank]} "
+            f"(both are what this rank sends itself)"
+        )
+    if x is None:
+        raise arrays.not_array("x", x)
+    writeable = arrays.check_read(x, "x")
+    arrays.check_size(x, "x", sum(send), "sum(send_counts)")
+    if out is x:
+        raise ValueError("alltoallv cannot run in place: pass a separate out (or none)")
+    out = _result(rt, coll.name, out, sum(recv), x.dtype, "sum(recv_counts)")
+    arrays.check_disjoint(x, out)
+    key = (coll.code, x.dtype, send, recv, algorithm)
+    call = rt._calls.get(key)
+    if call is None:
+        # This rank's row and column; the rest zero: a consistent matrix for this rank's program.
+        matrix = tuple(send if i == rank else tuple(recv[i] if j == rank else 0 for j in range(n)) for i in range(n))
+        call = rt._shape(key, coll.name, x.dtype, 0, algorithm=algorithm, matrix=matrix)
+    return HOST.bind(rt, call, x, out, out, None, writeable)  # type: ignore[no-any-return]
 
 
 def barrier(rt: Runtime) -> Bound:

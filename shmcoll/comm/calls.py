@@ -26,7 +26,7 @@ from shmcoll.engine import cpu as engine
 from shmcoll.plan import ir
 from shmcoll.plan.passes import plan_call
 from shmcoll.plan.verify import verify
-from shmcoll.types import BOOL, FLOAT16, ReduceOp, engine_types
+from shmcoll.types import BOOL, FLOAT16, ReduceOp, engine_types, identity
 
 log = logging.getLogger("shmcoll")
 
@@ -44,6 +44,9 @@ class Call:
     ``prog_resume`` continues a started call; only the thread that started a call ever uses the
     last one. Each has its table of handles (``engine.cpu.handles_for``), which is what the run
     loop passes to the engine: ``start``, ``nested``, ``claimed`` and ``resume``.
+
+    ``fill`` is set where the plan leaves the result alone but the method defines it: an
+    exscan's rank 0, whose result is the op's identity.
 
     ``engine_dtype`` is what the engine moves and reduces (bool as uint8, float16 as float32 when
     it reduces, else as uint16); ``widened`` marks a float16 reduction, which runs on float32
@@ -71,6 +74,9 @@ class Call:
         "count",
         "registered",
         "special",
+        "varying",
+        "fill",
+        "finish",
     )
 
     def __init__(
@@ -87,6 +93,8 @@ class Call:
         registered: bool,
         ctrl: np.ndarray,
         state: np.ndarray,
+        varying: bool = False,
+        fill: Any = None,
     ) -> None:
         self.prog = prog
         self.prog_resume = ir.with_entry(prog, ir.ENTRY_RESUME)
@@ -107,6 +115,9 @@ class Call:
         self.count = count
         self.registered = registered
         self.special = widened or registered  # its engine arrays are made once it holds the state
+        self.varying = varying  # messages are tagged with their block's count (comm.failures.fail_counts)
+        self.fill = fill  # exscan's rank 0: the result is the op's identity, written after the call
+        self.finish = self.special or fill is not None  # the run loop has work after the engine's
 
 
 Bound = tuple
@@ -138,12 +149,16 @@ def prepare(
     algorithm: str = "auto",
     inplace: bool = False,
     root: int = 0,
-    peer: int = 0,
-    p2p_peer: int = ir.NO_PEER,
-    p2p_send: bool = False,
     registered: bool = False,
+    counts: tuple[int, ...] = (),
+    matrix: tuple[tuple[int, ...], ...] = (),
 ) -> Call:
-    """Validate a call shape and build, encode and size its plan (``rt``: the runtime)."""
+    """Validate a call shape and build, encode and size its plan (``rt``: the runtime).
+
+    ``count`` is what the ranks agree on (the call signature's); a variable-count call's plan
+    comes from ``counts`` (or alltoallv's ``matrix``: this rank's row and column, zeros
+    elsewhere, which is a whole consistent matrix as far as this rank's program can tell).
+    """
     rt._check_usable()
     record = collectives.get(kind)
     arrays.check_dtype(dtype)
@@ -151,9 +166,12 @@ def prepare(
         arrays.check_root(root, rt.world_size)
     arrays.check_algorithm(algorithm)
     reduce_op = arrays.check_op(op, dtype) if record.reducing else ReduceOp.SUM
+    if record.prefix and reduce_op == ReduceOp.AVG:
+        raise ValueError(f"{kind}: op AVG is not a prefix reduction (use SUM and divide by the number of ranks)")
     engine_dtype, engine_op, widened = engine_types_for(kind, dtype, reduce_op)
-    blocks = rt.world_size if record.blocked else 1
-    arrays.check_fits(kind, count * blocks * dtype.itemsize, rt._mem_total)
+    plan_count = sum(counts) + sum(map(sum, matrix)) if record.varying else count
+    blocks = rt.world_size if record.blocked and not record.varying else 1
+    arrays.check_fits(kind, plan_count * blocks * dtype.itemsize, rt._mem_total)
     if widened:
         inplace = False  # float16 reduces through float32 scratch, never the user's buffers
     query = Query(kind, rt.world_size, count, engine_dtype.itemsize, root=root, inplace=inplace, registered=registered)
@@ -170,19 +188,29 @@ def prepare(
     plan = plan_call(
         alg,
         rt.world_size,
-        count,
+        plan_count,
         slot_capacity,
         root=root,
         inplace=inplace,
-        peer=peer,
         options=options,
         nslots=lay.nslots,
+        counts=counts,
+        matrix=matrix,
     )
     if rt._verify:
-        verify(plan, world_size=rt.world_size, count=count, root=root, inplace=inplace, nslots=lay.nslots, peer=peer)
-    sig = ir.pack_sig(kind, alg.code, dtype, int(reduce_op), root if kind != "p2p" else 0, count)
+        verify(
+            plan,
+            world_size=rt.world_size,
+            count=plan_count,
+            root=root,
+            inplace=inplace,
+            nslots=lay.nslots,
+            counts=counts,
+            matrix=matrix,
+        )
+    sig = ir.pack_sig(kind, alg.code, dtype, int(reduce_op), root, count)
     zero_copy = alg.name == "zerocopy"
-    prog = ir.encode(plan, rt.rank, lay.channel, int(engine_op), sig, p2p_peer, p2p_send, zero_copy)
+    prog = ir.encode(plan, rt.rank, lay.channel, int(engine_op), sig, zero_copy)
     tmp = rt._scratch_array("tmp", engine_dtype, plan.tmp_count)
     label = ir.describe_sig(sig, ALGORITHM_NAMES)
     rt._log.info(
@@ -195,4 +223,22 @@ def prepare(
         plan.tmp_count,
     )
     data = rt._arena.view(engine_dtype)
-    return Call(prog, engine_dtype, data, tmp, widened, sig, kind, label, count, zero_copy, rt._ctrl, rt._state)
+    fill = None
+    if kind == "exscan" and rt.rank == 0:
+        fill = identity(reduce_op, dtype)
+    return Call(
+        prog,
+        engine_dtype,
+        data,
+        tmp,
+        widened,
+        sig,
+        kind,
+        label,
+        count,
+        zero_copy,
+        rt._ctrl,
+        rt._state,
+        varying=record.varying,
+        fill=fill,
+    )

@@ -217,19 +217,7 @@ def _staging(comm: Any, eng: Any, shape: DeviceShape, x: Any, out: Any, deadline
     eng.to_device(hout, out)
 
 
-class PointToPoint:
-    """A send or recv of a device array, ready to run."""
-
-    __slots__ = ("comm", "send", "buf", "peer")
-
-    def __init__(self, comm: Any, send: bool, buf: Any, peer: Any) -> None:
-        self.comm, self.send, self.buf, self.peer = comm, send, buf, peer
-
-    def run(self, timeout: float | None) -> Any:
-        return point_to_point(self.comm, self.send, self.buf, self.peer, timeout)
-
-
-def point_to_point(comm: Any, send: bool, buf: Any, peer: Any, timeout: float | None) -> Any:
+def point_to_point(comm: Any, send: bool, buf: Any, peer: Any, tag: int, timeout: float | None) -> Any:
     """send/recv of a device array, always through host memory: a device-side rendezvous would
     make a send wait for its receiver, which the numpy ``send`` (buffered in shared memory) does
     not."""
@@ -239,18 +227,16 @@ def point_to_point(comm: Any, send: bool, buf: Any, peer: Any, timeout: float | 
         arrays.check_read(b, name)
     else:
         arrays.check_written(b, name)
-    arrays.check_dtype(b.dtype)
-    arrays.check_peer(peer, "dst" if send else "src", comm.rank, comm.world_size)
+    arrays.check_dtype(b.dtype)  # (comm.send and comm.recv check the peer and tag)
     eng = _engine(comm)
     eng.wait_for_queued_work()
-    with comm._nested("device send" if send else "device recv", timeout):
-        if send:
-            comm.send(eng.to_host(b), int(peer), timeout=timeout)
-            return None
-        host = np.empty(b.shape, b.dtype)
-        comm.recv(host, int(peer), timeout=timeout)
-        eng.to_device(host, b)
-    return buf
+    if send:
+        comm.send(eng.to_host(b), int(peer), tag, timeout=timeout)
+        return None
+    host = np.empty(b.shape, b.dtype)
+    status = comm.recv(host, peer, tag, timeout=timeout)
+    eng.to_device(host, b)
+    return status
 
 
 # --- settings and lifetime (shmcoll.device re-exports configure and release) ---------------------

@@ -13,7 +13,6 @@ import time
 from typing import Any
 
 from shmcoll.algos.registry import ALGORITHM_NAMES
-from shmcoll.collectives import KIND_CODE
 from shmcoll.comm.calls import Call
 from shmcoll.engine import cpu as engine
 from shmcoll.errors import CollectiveMismatchError, CollectiveTimeout, CommunicatorBrokenError, PeerLostError
@@ -21,7 +20,6 @@ from shmcoll.plan import ir
 from shmcoll.shm import layout
 from shmcoll.shm.arena import proc_stat
 
-_P2P_KIND = KIND_CODE["p2p"]
 ABORT_REASONS = {
     layout.ABORT_USER: "abort() was called",
     layout.ABORT_TIMEOUT: "a collective timed out",
@@ -35,7 +33,7 @@ Runtime = Any  # comm.runtime.Runtime (which imports this module)
 
 def call_number(rt: Runtime) -> int:
     """The number of the call this rank is in (or last started)."""
-    return int(rt._state[engine.S_TAG_SEQ])
+    return int(rt._state[engine.S_SEQ])
 
 
 def wait_step(rt: Runtime) -> int:
@@ -52,12 +50,7 @@ def call_text(rt: Runtime, call: Call) -> str:
 
 def next_seq(rt: Runtime, call: Call) -> int:
     """The number the call would have had, had it started."""
-    if call.kind != "p2p":
-        return int(rt._state[engine.S_SEQ]) + 1
-    head = call.prog[0]
-    peer = int(head[ir.HD_P2P_PEER])
-    slot = engine.S_P2P_BASE + (peer if head[ir.HD_P2P_SEND] else rt._world_size + peer)
-    return int(rt._state[slot]) + 1
+    return int(rt._state[engine.S_SEQ]) + 1
 
 
 def lost_peer(rt: Runtime) -> tuple[int, str] | None:
@@ -162,8 +155,6 @@ def check_awaited_call(rt: Runtime, call: Call) -> None:
     """Mismatch that no message can reveal: both ranks wait to receive (two ranks that each
     believe they are a reduce's root). Seen in the awaited peer's record: same call number,
     different call."""
-    if call.kind == "p2p":
-        return  # point-to-point numbers count per channel: not comparable with the record's
     peer = int(rt._state[engine.S_WAIT_PEER])
     if not 0 <= peer < rt._world_size or peer == rt._rank:
         return
@@ -171,7 +162,7 @@ def check_awaited_call(rt: Runtime, call: Call) -> None:
     if a.rank_field(peer, layout.R_STATE) != layout.STATE_IN_CALL:
         return
     their_seq, their_sig = a.rank_field(peer, layout.R_CUR_SEQ), a.rank_field(peer, layout.R_CUR_SIG)
-    if their_seq == call_number(rt) and their_sig != call.sig and ir.unpack_sig(their_sig)["kind"] != _P2P_KIND:
+    if their_seq == call_number(rt) and their_sig != call.sig:
         fail_mismatch(rt, call, peer, their_seq, their_sig, wait_step(rt))
 
 
@@ -183,6 +174,27 @@ def fail_placement(rt: Runtime, call: Call) -> None:
         f"collectives read each peer's buffer at the same place as their own"
     )
     number = call_number(rt)
+    rt._arena.abort(rt._rank, layout.ABORT_MISMATCH, peer, number, call.sig, wait_step(rt), call.sig, number)
+    rt._broken = msg
+    raise CollectiveMismatchError(msg)
+
+
+def fail_counts(rt: Runtime, call: Call) -> None:
+    """A variable-count call whose ranks disagree on a block's size: each message says the size
+    of the whole transfer it belongs to (its tag, the count + 1), and the receiver expected another."""
+    peer = int(rt._state[engine.S_ERR_PEER])
+    sent = int(rt._state[engine.S_ERR_PLACE]) - 1
+    expected = int(call.prog[int(rt._state[engine.S_ERR_STEP]), ir.C_TAG]) - 1
+    number = call_number(rt)
+    rule = {
+        "alltoallv": "rank i's send_counts[j] must equal rank j's recv_counts[i]",
+        "gatherv": "rank j's x must have the root's counts[j] elements",
+        "scatterv": "rank j's out must have the root's counts[j] elements",
+    }.get(call.kind, "every rank must pass the same counts")
+    msg = (
+        f"rank {rt._rank}: {call.label} (call #{number}): rank {peer} sent a block of {sent} element(s) where "
+        f"this rank's counts say {expected}: {rule}"
+    )
     rt._arena.abort(rt._rank, layout.ABORT_MISMATCH, peer, number, call.sig, wait_step(rt), call.sig, number)
     rt._broken = msg
     raise CollectiveMismatchError(msg)
@@ -242,20 +254,33 @@ def fail_aborted(rt: Runtime, call: Call) -> None:
 
 
 def warn_unreceived(rt: Runtime) -> None:
-    """Messages sent to this rank that it never received point at mismatched calls that no
-    receive got to see (say two ranks that both believed they were a broadcast's root)."""
+    """Messages sent to this rank that it never received: collective ones point at mismatched
+    calls that no receive got to see (say two ranks that both believed they were a broadcast's
+    root); point-to-point ones at a send with no matching receive."""
     lay = rt._arena.layout
     for peer in range(rt._world_size):
-        if peer == rt._rank:
-            continue
-        ch = lay.channel(peer, rt._rank)
-        waiting = rt._arena.word(lay.channel_word(ch, layout.C_HEAD)) - int(
-            rt._ctrl[lay.channel_word(ch, layout.C_TAIL)]
+        if peer != rt._rank:
+            ch = lay.channel(peer, rt._rank)
+            waiting = rt._arena.word(lay.channel_word(ch, layout.C_HEAD)) - int(
+                rt._ctrl[lay.channel_word(ch, layout.C_TAIL)]
+            )
+            if waiting > 0:
+                rt._log.warning(
+                    "closing with %d message(s) from rank %d never received: the ranks' calls "
+                    "did not match (e.g. different roots, or an extra send)",
+                    waiting,
+                    peer,
+                )
+        box = lay.mailbox(peer, rt._rank)
+        fragments = rt._arena.word(lay.mailbox_word(box, layout.C_HEAD)) - rt._arena.word(
+            lay.mailbox_word(box, layout.C_TAIL)
         )
-        if waiting > 0:
+        kept = sum(1 for m in rt._p2p._unexpected if m.src == peer) if rt._p2p is not None else 0
+        if fragments > 0 or kept:
             rt._log.warning(
-                "closing with %d message(s) from rank %d never received: the ranks' calls "
-                "did not match (e.g. different roots, or an extra send)",
-                waiting,
+                "closing with point-to-point message(s) from rank %d never received "
+                "(%d kept unmatched, %d slot(s) in the mailbox): a send with no matching recv",
                 peer,
+                kept,
+                fragments,
             )

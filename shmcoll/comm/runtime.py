@@ -32,6 +32,7 @@ import psutil
 from shmcoll import config
 from shmcoll.comm import calls, failures
 from shmcoll.comm.calls import Bound, Call
+from shmcoll.comm.requests import Queue, Request
 from shmcoll.engine import cpu as engine
 from shmcoll.errors import CommunicatorBrokenError, ConcurrentCallError, ForkedCommunicatorError, ShmcollError
 from shmcoll.shm import layout
@@ -110,6 +111,8 @@ class Runtime:
         self._verify = os.environ.get("SHMCOLL_VERIFY", "") == "1"
         self._groups: int | None = None
         self._groups_agreed = False
+        self._progress: Queue | None = None  # started operations (created by the first one)
+        self._p2p: Any = None  # point-to-point state (comm.p2p, created by the first message)
         self._mem_total = psutil.virtual_memory().total
         self._log = _RankPrefix(log, {"rank": rank})
         self._trace = log.isEnabledFor(TRACE)
@@ -272,6 +275,8 @@ class Runtime:
             yield
             return
         self._check_usable()
+        if self._progress is not None:
+            self._progress.drain()  # a call made of several runs after what was started before it
         if int(atomic_cas(self._state, engine.S_NESTED, 0, 1)) != 0:
             raise ConcurrentCallError(self._concurrent_message(what))
         self._nested_owner = me
@@ -290,6 +295,27 @@ class Runtime:
 
     # --- the run loop -------------------------------------------------------------------------
     def _run(self, b: Bound, timeout: float | None) -> Any:
+        """A blocking call: run it now, or, while started operations are pending, after them."""
+        progress = self._progress
+        if progress is not None and progress.pending:
+            if timeout is not None:
+                config.timeout_s(timeout)
+            return progress.submit(b, timeout, "a blocking call").wait()
+        return self._execute(b, timeout)
+
+    def _start(self, b: Bound, timeout: float | None, what: str) -> Request:
+        """A nonblocking call: queue it for the progress thread; returns its request."""
+        if timeout is not None:
+            config.timeout_s(timeout)
+        self._check_usable()
+        if self._nested_owner is not None:
+            raise ConcurrentCallError(self._concurrent_message(what))
+        progress = self._progress
+        if progress is None:
+            progress = self._progress = Queue(self)
+        return progress.submit(b, timeout, what)
+
+    def _execute(self, b: Bound, timeout: float | None) -> Any:
         """Run one bound call to its end (or raise); returns what the method returns."""
         if type(b) is not tuple:  # a device call: its own path (comm.device)
             return b.run(timeout)  # type: ignore[attr-defined]
@@ -321,11 +347,13 @@ class Runtime:
             self._log.log(
                 TRACE, "%s #%d took %.1f us", call.label, failures.call_number(self), (time.perf_counter() - t0) * 1e6
             )
-        if call.special:
+        if call.finish:
             if call.registered:
                 self._state[engine.S_PLACE] = 0
-            elif out is not None:  # a float16 reduction: its float32 result back
+            elif call.widened and out is not None:  # a float16 reduction: its float32 result back
                 np.copyto(out.reshape(-1), res)
+            if call.fill is not None:
+                out.reshape(-1).fill(call.fill)  # type: ignore[union-attr]
         return result
 
     def _wait_or_raise(self, st: int, call: Call, inp: np.ndarray, res: np.ndarray, limit: float) -> None:
@@ -359,6 +387,8 @@ class Runtime:
                         and int(self._state[engine.S_ERR_SEQ]) == failures.call_number(self)
                         and int(self._state[engine.S_ERR_PLACE]) != int(self._state[engine.S_PLACE])
                     ):
+                        if call.varying:
+                            failures.fail_counts(self, call)
                         failures.fail_placement(self, call)
                     failures.fail_mismatch(
                         self,
@@ -397,11 +427,19 @@ class Runtime:
         """Leave the arena (see ``Communicator.close``)."""
         if self._closed:
             return
-        self._closed = True
         if self._is_forked():
+            self._closed = True
             self._calls.clear()
             self._broken = self._broken or "the communicator is closed"
             return
+        if self._progress is not None:
+            # Nothing may run while the arena is unmapped: started operations end first (each
+            # within its timeout; after a failure they fail at once).
+            self._progress.drain()
+            self._progress.stop()
+        if self._p2p is not None:
+            self._p2p.stop()
+        self._closed = True
         self._calls.clear()
         self._scratch.clear()
         if self._broken is None:

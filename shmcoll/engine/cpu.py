@@ -55,7 +55,6 @@ from __future__ import annotations
 
 from numba import carray
 
-from shmcoll.collectives import KIND_CODE
 from shmcoll.jit import jit
 from shmcoll.kernels.cpu import combine, copy
 from shmcoll.plan.ir import (
@@ -71,17 +70,15 @@ from shmcoll.plan.ir import (
     C_OP,
     C_PEER_IN,
     C_PEER_OUT,
+    C_TAG,
     ENTRY_CLAIMED,
     ENTRY_NESTED,
     ENTRY_RESUME,
     FINAL,
     HD_ENTRY,
-    HD_KIND,
     HD_NBODY,
     HD_NTAIL,
     HD_OP,
-    HD_P2P_PEER,
-    HD_P2P_SEND,
     HD_PIECE,
     HD_REGISTERED,
     HD_REPS,
@@ -145,7 +142,6 @@ PEER_DEAD = 5  # a peer's liveness word says it died (S_ERR_PEER): nothing was d
     S_PC,
     S_PIECE,
     S_PHASE,
-    S_TAG_SEQ,
     S_SPIN_NS,
     S_YIELDS,
     S_SLEEP_NS,
@@ -171,15 +167,9 @@ PEER_DEAD = 5  # a peer's liveness word says it died (S_ERR_PEER): nothing was d
     S_ERR_PLACE,
     S_LIVE_BASE,
     S_NESTED,
-) = range(33)
-S_P2P_BASE = 40  # then world_size send counters, then world_size receive counters
+) = range(32)
+STATE_WORDS = 40  # (room for a few more)
 
-
-def state_size(world_size: int) -> int:
-    return S_P2P_BASE + 2 * world_size
-
-
-_P2P = KIND_CODE["p2p"]
 _IN, _OUT, _TMP = 0, 1, 2
 
 
@@ -269,7 +259,7 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
     nslots = state[S_NSLOTS]
     item = data.itemsize
     chan_base = state[S_CHAN_BASE]
-    tag_seq = state[S_TAG_SEQ]
+    tag_seq = state[S_SEQ]
     sig = prog[0, HD_SIG]
 
     recv = (flags & RECV) != 0
@@ -287,7 +277,8 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
             return st
         slot_byte = state[S_SLOTS_BASE] + ch * state[S_RING_BYTES] + (tail % nslots) * state[S_SLOT_STRIDE]
         hdr = slot_byte // 8
-        if ctrl[hdr] != tag_seq or ctrl[hdr + 1] != sig or ctrl[hdr + 2] != state[S_PLACE]:
+        expected = prog[row, C_TAG] if prog[row, C_TAG] != 0 else state[S_PLACE]
+        if ctrl[hdr] != tag_seq or ctrl[hdr + 1] != sig or ctrl[hdr + 2] != expected:
             state[S_ERR_PEER] = prog[row, C_PEER_IN]
             state[S_ERR_SEQ] = ctrl[hdr]
             state[S_ERR_SIG] = ctrl[hdr + 1]
@@ -348,7 +339,7 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
     if send:
         ctrl[out_hdr] = tag_seq
         ctrl[out_hdr + 1] = sig
-        ctrl[out_hdr + 2] = state[S_PLACE]
+        ctrl[out_hdr + 2] = prog[row, C_TAG] if prog[row, C_TAG] != 0 else state[S_PLACE]
         cw = chan_base + prog[row, C_CH_OUT] * CHANNEL_WORDS
         _publish(ctrl, head_word, head + 1, cw + C_HEAD_WAITERS)
     if recv:
@@ -358,14 +349,9 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
 
 
 @jit
-def _peers_alive(prog, ctrl, state):  # type: ignore[no-untyped-def]
+def _peers_alive(ctrl, state):  # type: ignore[no-untyped-def]
     """-1 if no peer of this call is marked dead by the kernel, else the first dead one."""
     live = state[S_LIVE_BASE]
-    if prog[0, HD_KIND] == _P2P:
-        peer = prog[0, HD_P2P_PEER]
-        if (load_acquire(ctrl, live + peer * WORDS_PER_LINE) & OWNER_DIED) != 0:
-            return peer
-        return -1
     for peer in range(state[S_WORLD]):
         if (load_acquire(ctrl, live + peer * WORDS_PER_LINE) & OWNER_DIED) != 0:
             return peer
@@ -414,24 +400,17 @@ def _execute(prog, inp, out, tmp, data, ctrl, state):  # type: ignore[no-untyped
         if load_acquire(ctrl, AB_CODE) != 0:
             store_release(state, S_ACTIVE, 0)
             return ABORTED
-        dead = _peers_alive(prog, ctrl, state)
+        dead = _peers_alive(ctrl, state)
         if dead >= 0:
             state[S_ERR_PEER] = dead
             store_release(state, S_ACTIVE, 0)
             return PEER_DEAD
-        if prog[0, HD_KIND] == _P2P:
-            peer = prog[0, HD_P2P_PEER]
-            idx = S_P2P_BASE + (peer if prog[0, HD_P2P_SEND] != 0 else state[S_WORLD] + peer)
-            state[idx] += 1
-            state[S_TAG_SEQ] = state[idx]
-        else:
-            state[S_SEQ] += 1
-            state[S_TAG_SEQ] = state[S_SEQ]
+        state[S_SEQ] += 1
         state[S_PC] = 0
         state[S_PIECE] = 0
         state[S_PHASE] = 0
         ctrl[rank_word + R_CUR_SIG] = prog[0, HD_SIG]
-        ctrl[rank_word + R_CUR_SEQ] = state[S_TAG_SEQ]
+        ctrl[rank_word + R_CUR_SEQ] = state[S_SEQ]
         store_release(ctrl, rank_word + R_STATE, STATE_IN_CALL)
 
     nbody = prog[0, HD_NBODY]
@@ -465,7 +444,7 @@ def _execute(prog, inp, out, tmp, data, ctrl, state):  # type: ignore[no-untyped
             break
 
     ctrl[rank_word + R_DONE_SIG] = prog[0, HD_SIG]
-    ctrl[rank_word + R_DONE_SEQ] = state[S_TAG_SEQ]
+    ctrl[rank_word + R_DONE_SEQ] = state[S_SEQ]
     store_release(ctrl, rank_word + R_STATE, STATE_IDLE)
     store_release(state, S_ACTIVE, 0)
     return OK
@@ -493,7 +472,7 @@ def new_state(layout, rank: int, *, spin_ns: int, yields: int, sleep_ns: int, sl
     """A fresh engine state for ``rank`` of an arena with this ``layout``."""
     import numpy as np
 
-    state = np.zeros(state_size(layout.world_size), dtype=np.int64)
+    state = np.zeros(STATE_WORDS, dtype=np.int64)
     state[S_RANK] = rank
     state[S_WORLD] = layout.world_size
     state[S_SPIN_NS] = spin_ns

@@ -16,8 +16,9 @@ sub-builder neither knows nor cares that it is not the whole call. That is how
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 from shmcoll.plan.ir import Buf, Plan, Program, Region, Step
@@ -35,6 +36,67 @@ def split(count: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
+def displs(counts: Sequence[int]) -> list[int]:
+    """Where each rank's block starts in a buffer of blocks of ``counts`` elements (exclusive prefix sums)."""
+    out = []
+    off = 0
+    for c in counts:
+        out.append(off)
+        off += c
+    return out
+
+
+def fragments(count: int, slot_capacity: int) -> list[tuple[int, int]]:
+    """Cut ``count`` elements into slot-sized (offset, count) messages, the last one shorter.
+
+    ``slot_capacity`` 0 means unbounded (one message); zero elements make no message at all.
+    """
+    step = slot_capacity if slot_capacity > 0 else max(count, 1)
+    return [(off, min(step, count - off)) for off in range(0, count, step)]
+
+
+def whole_call(slot_capacity: int, world_size: int) -> int:
+    """Piece rule of builders that cut their messages themselves (the variable-count ones):
+    never cut the call (``passes.plan_call`` hands them the whole call anyway)."""
+    return 1 << 62
+
+
+def block_counts(ctx: Context) -> tuple[int, ...]:
+    """``ctx.counts`` of a variable-count collective, checked: one count per rank."""
+    if len(ctx.counts) != ctx.world_size or min(ctx.counts, default=0) < 0:
+        raise ValueError(f"{ctx.kind}/{ctx.algorithm} needs one count per rank (ctx.counts), got {ctx.counts!r}")
+    return ctx.counts
+
+
+def pair_count(ctx: Context, src: int, dst: int) -> int:
+    """Elements rank ``src`` sends rank ``dst`` in an alltoallv (``ctx.matrix[src][dst]``), checked.
+
+    A rank's program may depend only on its own row (what it sends) and column (what it
+    receives): those are all it knows at run time.
+    """
+    row = ctx.matrix[src] if len(ctx.matrix) == ctx.world_size else None
+    if row is None or len(row) != ctx.world_size:
+        raise ValueError(f"{ctx.kind}/{ctx.algorithm} needs ctx.matrix[{src}]: one count per rank, got {ctx.matrix!r}")
+    return row[dst]
+
+
+@contextlib.contextmanager
+def tagged(ctx: Context, tag: int) -> Iterator[None]:
+    """Every send and receive emitted (on any rank) inside the block carries ``tag``.
+
+    Variable-count plans tag each message with the size of its pair's whole transfer plus one
+    (``Step.tag``), so that ranks that disagree on the counts fail with a mismatch. A receive
+    fused with the send that forwards it has one tag for both: forward under the same tag.
+    """
+    start = [len(program) for program in ctx.programs]
+    yield
+    for rank, program in enumerate(ctx.programs):
+        for i in range(start[rank], len(program)):
+            step = program[i]
+            if step.recv is not None or step.send is not None:
+                program[i] = dataclasses.replace(step, tag=tag)
+
+
 @dataclasses.dataclass
 class Context:
     """A builder's view of the call: who, how much, and the programs being written."""
@@ -46,12 +108,16 @@ class Context:
     root: int = 0
     inplace: bool = False
     block: int = 0
-    peer: int = 0
     options: dict[str, object] = dataclasses.field(default_factory=dict)
     nslots: int = 1  # slots per ring the plan will run with; 1 is the safe assumption
     programs: list[Program] = dataclasses.field(default_factory=list)
     tmp_count: int = 0
     slot_capacity: int = 0  # the most elements one step may move (0: not bounded); for compose
+    # Variable-count collectives: ``counts[j]`` elements for rank j (allgatherv, gatherv,
+    # scatterv, reduce_scatterv), or for alltoallv ``matrix[i][j]`` elements from rank i to
+    # rank j, where a row the caller does not know (another rank's sends) is None.
+    counts: tuple[int, ...] = ()
+    matrix: tuple[tuple[int, ...] | None, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.programs:
@@ -145,14 +211,18 @@ def accumulate_in_rank_order(
     contributors: list[int],
     *,
     acc_aliases_own: bool,
+    final: bool = True,
+    scratch: Region | None = None,
 ) -> None:
     """Reduce ``contributors``' values (own from ``own``, others received) into ``dst``.
 
     The expression is the same on every rank that runs this: ``((c0 (op) c1) (op) c2) ...`` in
-    the given order, left-associated, with AVG's division on the last combination. That is what
-    makes the direct algorithms bitwise identical across ranks. ``acc_aliases_own`` says that
-    writing ``dst`` destroys ``own`` (in-place calls); then the running value is kept in scratch
-    until ``own`` has been used, if it would otherwise be overwritten first.
+    the given order, left-associated, with AVG's division on the last combination (none with
+    ``final=False``: scans never divide). That is what makes the direct algorithms bitwise
+    identical across ranks. ``acc_aliases_own`` says that writing ``dst`` destroys ``own``
+    (in-place calls); then the running value is kept in scratch (``scratch``, of at least
+    ``count`` elements, else newly reserved) until ``own`` has been used, if it would otherwise
+    be overwritten first.
     """
     n = len(contributors)
     if n == 1:
@@ -160,10 +230,12 @@ def accumulate_in_rank_order(
         return
     my_pos = contributors.index(rank) if rank in contributors else -1
     # Positions 0 and 1 combine in the first step; own is safe if it is used there.
-    acc = ctx.tmp(count) if (acc_aliases_own and my_pos >= 2) else dst
+    acc = dst
+    if acc_aliases_own and my_pos >= 2:
+        acc = scratch if scratch is not None else ctx.tmp(count)
     c0, c1 = contributors[0], contributors[1]
-    last = n == 2
-    target = dst if last else acc
+    target = dst if n == 2 else acc
+    last = final and n == 2
     if c0 == rank:
         ctx.recv_reduce(rank, c1, own, target, count, final=last)
     elif c1 == rank:
@@ -172,8 +244,8 @@ def accumulate_in_rank_order(
         ctx.recv(rank, c0, acc, count)
         ctx.recv_reduce(rank, c1, acc, target, count, final=last)
     for pos in range(2, n):
-        last = pos == n - 1
-        target = dst if last else acc
+        target = dst if pos == n - 1 else acc
+        last = final and pos == n - 1
         c = contributors[pos]
         if c == rank:
             ctx.reduce_local(rank, acc, own, target, count, final=last)

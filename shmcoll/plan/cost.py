@@ -44,7 +44,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from shmcoll import collectives
 from shmcoll.plan.algorithm import AlgorithmLike as Algorithm
+from shmcoll.plan.builder import split
 from shmcoll.plan.ir import CallPlan, Plan
 from shmcoll.plan.passes import plan_call
 from shmcoll.units import format_time
@@ -357,8 +359,32 @@ def plan_options(group_size: int | None) -> dict[str, object] | None:
 def plan_time(
     algorithm: Algorithm, world_size: int, count: int, itemsize: int, model: CostModel, slot_bytes: int, root: int = 0
 ) -> Simulated:
-    """Simulate ``algorithm`` on a call of ``count`` elements per block (cached)."""
+    """Simulate ``algorithm`` on a call of ``count`` elements per block (cached).
+
+    A variable-count collective's ``count`` is the call's total (the sum of the counts; for
+    alltoallv, each rank's send total, as ``bench`` sizes it); it is simulated with that total
+    spread evenly over the ranks.
+    """
     slot_capacity = max(1, slot_bytes // itemsize)
     options = plan_options(model.group_size)
-    plan = plan_call(algorithm, world_size, count, slot_capacity, root=root, options=options, nslots=model.nslots)
+    counts: tuple[int, ...] = ()
+    matrix: tuple[tuple[int, ...], ...] = ()
+    if collectives.get(algorithm.collective).varying:
+        n = world_size
+        if algorithm.collective == "alltoallv":
+            row = tuple(c for _, c in split(count, n))
+            matrix = (row,) * n
+        else:
+            counts = tuple(c for _, c in split(count, n))
+    plan = plan_call(
+        algorithm,
+        world_size,
+        count,
+        slot_capacity,
+        root=root,
+        options=options,
+        nslots=model.nslots,
+        counts=counts,
+        matrix=matrix,
+    )
     return simulate(plan, itemsize, model)

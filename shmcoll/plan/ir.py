@@ -82,8 +82,9 @@ RECV_LEFT = 32
     C_D_BUF,
     C_D_OFF,
     C_COUNT,
-) = range(12)
-NCOLS = 12
+    C_TAG,
+) = range(13)
+NCOLS = 13
 
 # Header row (row 0 of an encoded plan).
 (
@@ -94,18 +95,14 @@ NCOLS = 12
     HD_OP,
     HD_SIG,
     HD_KIND,
-    HD_P2P_PEER,
-    HD_P2P_SEND,
     HD_REGISTERED,
     HD_ENTRY,
-) = range(11)
+) = range(9)
 # How the engine enters a program (HD_ENTRY): the same table is kept once per way of entering it.
 ENTRY_START = 0  # a new call: claims the communicator's engine state
 ENTRY_RESUME = 1  # the claimed call, continued after a wait returned to Python
 ENTRY_NESTED = 2  # a new call inside a call made of several (object collectives, alloc, split)
 ENTRY_CLAIMED = 3  # a new call whose caller already claimed the engine state (see engine.cpu)
-
-NO_PEER = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +135,11 @@ class Step:
     final: bool = False
     recv_left: bool = False
     fence: bool = False  # no-op: keeps the fuse pass from merging across it, which then drops it
+    # What a message says about itself, checked by its receiver (0: the call's placement word).
+    # Variable-count plans tag each message with the size the sender meant (count of the pair's
+    # whole transfer + 1), so a receiver that expected another size reports a mismatch instead
+    # of taking part of the next message.
+    tag: int = 0
 
     def __post_init__(self) -> None:
         if self.count < 0:
@@ -239,11 +241,11 @@ class CallPlan:
 
 
 # --- call signatures -------------------------------------------------------------------------
-# marker:1 | kind:4 | algorithm:4 | dtype:5 | op:4 | root:12 | count:33 (low bits); the marker
+# marker:1 | kind:5 | algorithm:4 | dtype:5 | op:4 | root:11 | count:33 (low bits); the marker
 # bit keeps every signature non-zero (a zeroed slot never matches). Whether a call is in
 # place is not part of it: that changes only a rank's local copies, never its messages, and
 # ranks may differ in it (a rooted collective's root alone may be in place).
-_SIG_FIELDS = (("kind", 4), ("algorithm", 4), ("dtype", 5), ("op", 4), ("root", 12), ("count", 33))
+_SIG_FIELDS = (("kind", 5), ("algorithm", 4), ("dtype", 5), ("op", 4), ("root", 11), ("count", 33))
 _SIG_MARKER = 1 << 62
 
 
@@ -279,13 +281,16 @@ def describe_sig(sig: int, algorithm_names: tuple[str, ...] = ()) -> str:
     if not sig & _SIG_MARKER:
         return "no call"
     f = unpack_sig(sig)
-    kind = PLAN_KINDS[f["kind"]] if f["kind"] < len(PLAN_KINDS) else f"kind#{f['kind']}"
+    kind = PLAN_KINDS[f["kind"]] if f["kind"] < len(PLAN_KINDS) else ""
+    if not kind:
+        return f"kind#{f['kind']}(...)"
     if kind == "barrier":
         return "barrier()"
-    if kind == "p2p":
-        return f"send/recv(count={f['count']}, {dtype_name(f['dtype'])})"
-    parts = [f"count={f['count']}", dtype_name(f["dtype"])]
     record = BY_CODE[f["kind"]]
+    if record.varying:  # (the count is the total where every rank knows it, else 0: say nothing)
+        parts = ([f"total={f['count']}"] if f["count"] else []) + [dtype_name(f["dtype"])]
+    else:
+        parts = [f"count={f['count']}", dtype_name(f["dtype"])]
     if record.reducing:
         parts.append(ReduceOp(f["op"]).name if f["op"] < len(ReduceOp) else f"op#{f['op']}")
     if record.rooted:
@@ -314,6 +319,7 @@ def _encode_steps(steps: Program, rank: int, channel: object) -> np.ndarray:
             else:
                 rows[i, col_off] = 0
         rows[i, C_COUNT] = s.count
+        rows[i, C_TAG] = s.tag
     return rows
 
 
@@ -323,8 +329,6 @@ def encode(
     channel: object,
     op: int,
     sig: int,
-    p2p_peer: int = NO_PEER,
-    p2p_send: bool = False,
     registered: bool = False,
 ) -> np.ndarray:
     """One rank's program as an int64 table: a header row, the body rows, then the tail rows.
@@ -343,8 +347,6 @@ def encode(
     header[0, HD_OP] = int(op)
     header[0, HD_SIG] = sig
     header[0, HD_KIND] = KIND_CODE[plan.tail.kind]
-    header[0, HD_P2P_PEER] = p2p_peer
-    header[0, HD_P2P_SEND] = int(p2p_send)
     header[0, HD_REGISTERED] = int(registered)
     table = np.concatenate([header, body, tail])
     return np.ascontiguousarray(table)

@@ -55,6 +55,7 @@ def fuse(plan: Plan) -> Plan:
                 and not t.reduce
                 and t.a == s.dst
                 and t.count == s.count
+                and t.tag == s.tag
             ):
                 keep = s.dst.buf != Buf.TMP or _read_later(program, i + 2, s.dst, s.count)
                 out.append(dataclasses.replace(s, send=t.send, dst=s.dst if keep else None))
@@ -75,11 +76,12 @@ def build_piece(
     block: int,
     root: int = 0,
     inplace: bool = False,
-    peer: int = 0,
     options: dict[str, object] | None = None,
     collective: str | None = None,
     slot_capacity: int = 0,
     nslots: int = 1,
+    counts: tuple[int, ...] = (),
+    matrix: tuple[tuple[int, ...] | None, ...] = (),
 ) -> Plan:
     """Run ``algorithm``'s builder for one piece of ``count`` elements per block, then fuse."""
     ctx = Context(
@@ -90,10 +92,11 @@ def build_piece(
         root=root,
         inplace=inplace,
         block=block,
-        peer=peer,
         options=dict(options or {}),
         slot_capacity=slot_capacity,
         nslots=nslots,
+        counts=counts,
+        matrix=matrix,
     )
     algorithm.build(ctx)
     return fuse(ctx.plan())
@@ -107,9 +110,10 @@ def plan_call(
     *,
     root: int = 0,
     inplace: bool = False,
-    peer: int = 0,
     options: dict[str, object] | None = None,
     nslots: int = 1,
+    counts: tuple[int, ...] = (),
+    matrix: tuple[tuple[int, ...] | None, ...] = (),
 ) -> CallPlan:
     """The whole call: body pieces of at most one slot-load per step, then the tail.
 
@@ -119,8 +123,20 @@ def plan_call(
     slot_capacity = max(1, slot_capacity)
     piece = max(1, algorithm.piece_count(slot_capacity, world_size, options))
     kw = dict(
-        root=root, inplace=inplace, peer=peer, options=options, block=count, slot_capacity=slot_capacity, nslots=nslots
+        root=root,
+        inplace=inplace,
+        options=options,
+        block=count,
+        slot_capacity=slot_capacity,
+        nslots=nslots,
+        counts=counts,
+        matrix=matrix,
     )
+    if counts or matrix:
+        # Variable counts: the builder cuts messages into slot-sized ones itself (pieces assume
+        # every block has the same length), so the whole call is one tail plan.
+        tail = build_piece(algorithm, world_size, count, **kw)  # type: ignore[arg-type]
+        return CallPlan(body=None, tail=tail, reps=0, piece=max(count, 1))
     if count <= piece:
         return CallPlan(body=None, tail=build_piece(algorithm, world_size, count, **kw), reps=0, piece=piece)  # type: ignore[arg-type]
     reps = (count - 1) // piece  # the tail is never empty: it is a full piece when count divides

@@ -8,19 +8,22 @@ then acts). Ranks are sequential and every channel has one writer and one reader
 a Kahn network with bounded buffers: whether it deadlocks does not depend on the schedule, and
 one schedule decides it.
 
-Checked: every receive meets a send of the same count; nothing blocks forever (deadlock); no
-message is left over; an out-of-place call leaves its input as it was; the collective's
-postcondition on every rank that has an output; every
-reduced element is a combination of each rank's contribution exactly once, divided once; and
-every rank holding an element of an allreduce holds the *same expression* for it, operand order
-included, so results are bitwise identical across ranks. A barrier must leave every rank having
-heard, directly or transitively, from every other. Plans that read peers' buffers in place
+Checked: every receive meets a send of the same count and tag (``Step.tag``; every message of a
+variable-count plan must carry one); nothing blocks forever (deadlock); no message is left over;
+no step reaches outside its buffer; an out-of-place call leaves its input as it was; the
+collective's postcondition on every rank that has an output; every reduced element is a
+combination of each rank's contribution exactly once, divided once; and every rank holding an
+element of an allreduce holds the *same expression* for it, operand order included, so results
+are bitwise identical across ranks. Scans and reduce_scatterv must hold exactly the rank-order
+fold ``((x0 (op) x1) (op) ...)``; exscan must leave rank 0's output alone. A barrier must leave
+every rank having heard, directly or transitively, from every other. Plans that read peers' buffers in place
 (registered buffers) are also checked for races with vector clocks (see :class:`_Clocks`).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any
 
 from shmcoll import collectives
@@ -30,43 +33,96 @@ from shmcoll.plan.ir import Buf, CallPlan, Plan, Region, Step
 Value = Any
 
 
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """The call's sizes: ``count`` per block, or the variable counts (see ``collectives``)."""
+
+    kind: str
+    world_size: int
+    count: int
+    root: int
+    counts: tuple[int, ...] = ()
+    matrix: tuple[tuple[int, ...], ...] = ()
+
+    def block(self, j: int) -> tuple[int, int]:
+        """(offset, count) of block ``j`` of a blocked buffer (uniform or ``counts``)."""
+        if collectives.get(self.kind).varying:
+            return sum(self.counts[:j]), self.counts[j]
+        return j * self.count, self.count
+
+    def sizes(self, rank: int) -> tuple[int, int]:
+        """Elements of ``rank``'s IN and OUT."""
+        n, record = self.world_size, collectives.get(self.kind)
+        if self.kind == "alltoallv":
+            return sum(self.matrix[rank]), sum(row[rank] for row in self.matrix)
+        if record.varying:
+            total, mine = sum(self.counts), self.counts[rank]
+            return (total if record.blocks_in else mine), (total if record.blocks_out else mine)
+        return (n * self.count if record.blocks_in else self.count), (
+            n * self.count if record.blocks_out else self.count
+        )
+
+
+def _shape(
+    kind: str, world_size: int, count: int, root: int, counts: tuple[int, ...], matrix: tuple[tuple[int, ...], ...]
+) -> _Shape:
+    """The call's shape, with the variable counts checked against the collective."""
+    n = world_size
+    if kind == "alltoallv":
+        if len(matrix) != n or any(row is None or len(row) != n or min(row) < 0 for row in matrix):
+            raise PlanError(f"alltoallv needs an {n} x {n} matrix of counts, got {matrix!r}")
+        return _Shape(kind, n, count, root, (), tuple(tuple(row) for row in matrix))
+    if collectives.get(kind).varying:
+        if len(counts) != n or min(counts) < 0:
+            raise PlanError(f"{kind} needs {n} counts (one per rank), got {counts!r}")
+        return _Shape(kind, n, count, root, tuple(counts))
+    return _Shape(kind, n, count, root)
+
+
 class _Rank:
-    def __init__(self, kind: str, rank: int, world_size: int, count: int, root: int, inplace: bool, tmp: int) -> None:
-        n = world_size
-        in_size = n * count if collectives.get(kind).blocks_in else count
-        out_size = n * count if collectives.get(kind).blocks_out else count
+    def __init__(self, shape: _Shape, rank: int, inplace: bool, tmp: int) -> None:
+        kind, root = shape.kind, shape.root
+        record = collectives.get(kind)
+        in_size, out_size = shape.sizes(rank)
         # A buffer is (storage, offset into it): in-place calls make IN and OUT share storage.
         self.bufs: dict[Buf, tuple[list[Value], int]] = {}
         storage_in: list[Value] = [("x", rank, i) for i in range(in_size)]
-        aliased = inplace and not (kind in ("scatter", "gather") and rank != root)
+        aliased = inplace and not (record.rooted and record.blocked and rank != root)
+        if inplace and record.varying and record.inplace is collectives.InPlace.NEVER:
+            raise PlanError(f"{kind} is never in place")
         if not aliased:
             self.bufs[Buf.IN] = (storage_in, 0)
             self.bufs[Buf.OUT] = ([None] * out_size, 0)
-        elif kind in ("allgather", "gather"):
+        elif record.inplace is collectives.InPlace.INPUT_IS_MY_BLOCK:  # allgather(v), gather(v)
+            off, _ = shape.block(rank)
             storage = [None] * out_size
-            storage[rank * count : (rank + 1) * count] = storage_in
+            storage[off : off + in_size] = storage_in
             self.bufs[Buf.OUT] = (storage, 0)
-            self.bufs[Buf.IN] = (storage, rank * count)
-        elif kind in ("reduce_scatter", "scatter"):
-            own = root if kind == "scatter" else rank
+            self.bufs[Buf.IN] = (storage, off)
+        elif record.inplace is collectives.InPlace.OUTPUT_IS_MY_BLOCK:  # (reduce_)scatter(v)
+            off, _ = shape.block(root if record.rooted else rank)
             self.bufs[Buf.IN] = (storage_in, 0)
-            self.bufs[Buf.OUT] = (storage_in, own * count)
+            self.bufs[Buf.OUT] = (storage_in, off)
         else:
             self.bufs[Buf.IN] = (storage_in, 0)
             self.bufs[Buf.OUT] = (storage_in, 0)
         self.bufs[Buf.TMP] = ([None] * tmp, 0)
+        self.sizes = {Buf.IN: in_size, Buf.OUT: out_size, Buf.TMP: tmp}
+        self.out_size = out_size
+        self.initial_out = self.out()
         self.heard = {rank}
 
     def locate(self, region: Region, base: int, count: int) -> tuple[list[Value], int]:
         storage, off = self.bufs[region.buf]
-        start = off + region.off + (base if region.buf != Buf.TMP else 0)
-        if start < 0 or start + count > len(storage):
-            raise IndexError(f"{region} + base {base} x {count} outside {region.buf.name} of {len(storage) - off}")
-        return storage, start
+        at = region.off + (base if region.buf != Buf.TMP else 0)
+        size = self.sizes[region.buf]
+        if at < 0 or at + count > size:
+            raise IndexError(f"{region} + base {base} x {count} outside {region.buf.name} of {size}")
+        return storage, off + at
 
     def out(self) -> list[Value]:
         storage, off = self.bufs[Buf.OUT]
-        return storage[off:]
+        return storage[off : off + self.out_size]
 
 
 class _Clocks:
@@ -115,23 +171,29 @@ class _Clocks:
                     )
 
 
+_Message = tuple[int, int, list[Value], frozenset[int], list[int]]  # count, tag, values, heard, clock
+
+
 def _run(
-    kind: str,
-    world_size: int,
-    count: int,
-    root: int,
+    shape: _Shape,
     inplace: bool,
     nslots: int,
     programs: list[list[tuple[Step, int]]],
     tmp: int,
     label: str,
 ) -> list[_Rank]:
-    ranks = [_Rank(kind, r, world_size, count, root, inplace, tmp) for r in range(world_size)]
+    world_size = shape.world_size
+    ranks = [_Rank(shape, r, inplace, tmp) for r in range(world_size)]
     remote = any(reg is not None and reg.rank is not None for prog in programs for s, _ in prog for reg in (s.a, s.b))
     clocks = _Clocks(world_size) if remote else None
-    channels: dict[tuple[int, int], collections.deque[tuple[int, list[Value], frozenset[int], list[int]]]] = (
-        collections.defaultdict(collections.deque)
-    )
+    channels: dict[tuple[int, int], collections.deque[_Message]] = collections.defaultdict(collections.deque)
+    if collectives.get(shape.kind).varying:
+        # The engine checks a message's tag only where it is not 0: a variable-count plan that
+        # left one at 0 would let ranks that disagree on the counts run on with the wrong sizes.
+        for r, prog in enumerate(programs):
+            for i, (step, _) in enumerate(prog):
+                if (step.recv is not None or step.send is not None) and step.tag <= 0:
+                    raise PlanError(f"{label}: rank {r} step {i} ({step}): a message of {shape.kind} needs a tag")
     pcs = [0] * world_size
     while True:
         progressed = False
@@ -172,9 +234,11 @@ def _execute(
         clocks.vc[r][r] += 1
     slot: list[Value] | None = None
     if step.recv is not None:
-        n, slot, heard, sender_vc = channels[(step.recv, r)].popleft()
+        n, tag, slot, heard, sender_vc = channels[(step.recv, r)].popleft()
         if n != step.count:
             raise PlanError(f"{where}: receives {step.count} elements but rank {step.recv} sent {n}")
+        if tag != step.tag:
+            raise PlanError(f"{where}: expects tag {step.tag} but rank {step.recv} sent tag {tag}")
         rank.heard |= heard
         if clocks is not None:
             clocks.vc[r] = [max(a, b) for a, b in zip(clocks.vc[r], sender_vc, strict=True)]
@@ -201,7 +265,7 @@ def _execute(
             value = [None] * step.count
         if step.send is not None:
             vc = list(clocks.vc[r]) if clocks is not None else []
-            channels[(r, step.send)].append((step.count, list(value), frozenset(rank.heard), vc))
+            channels[(r, step.send)].append((step.count, step.tag, list(value), frozenset(rank.heard), vc))
         if step.dst is not None:
             storage, start = rank.locate(step.dst, base, step.count)
             if clocks is not None:
@@ -238,8 +302,16 @@ def _check_reduction(value: Value, expected: set[tuple[int, int]], where: str) -
         raise PlanError(f"{where}: AVG's division applied {len(avgs)} times, not once at the end")
 
 
-def _check(kind: str, ranks: list[_Rank], world_size: int, count: int, root: int, peer: int, label: str) -> None:
-    n = world_size
+def _fold(values: list[Value]) -> Value:
+    """``((v0 (op) v1) (op) v2) ...``: the rank-order expression of the direct algorithms and scans."""
+    acc = values[0]
+    for v in values[1:]:
+        acc = ("op", acc, v)
+    return acc
+
+
+def _check(shape: _Shape, ranks: list[_Rank], label: str) -> None:
+    kind, n, count, root = shape.kind, shape.world_size, shape.count, shape.root
     outs = [rk.out() for rk in ranks]
     for r, rk in enumerate(ranks):
         storage, off = rk.bufs[Buf.IN]
@@ -288,13 +360,51 @@ def _check(kind: str, ranks: list[_Rank], world_size: int, count: int, root: int
                             f"{label}: output[{i}] is computed differently on rank {r} and rank 0 "
                             f"(results would not be bitwise identical): {outs[r][i]} vs {outs[0][i]}"
                         )
+    elif kind in ("allgatherv", "gatherv"):
+        for r in range(n) if kind == "allgatherv" else [root]:
+            for j in range(n):
+                off, c = shape.block(j)
+                for i in range(c):
+                    expect(r, off + i, ("x", j, i))
+    elif kind == "scatterv":
+        for r in range(n):
+            off, c = shape.block(r)
+            for i in range(c):
+                expect(r, i, ("x", root, off + i))
+    elif kind == "reduce_scatterv":
+        for r in range(n):
+            off, c = shape.block(r)
+            for i in range(c):
+                where = f"{label}: rank {r} output[{i}]"
+                _check_reduction(outs[r][i], {(j, off + i) for j in range(n)}, where)
+                folded = _fold([("x", j, off + i) for j in range(n)])
+                if outs[r][i] != (("avg", folded) if n > 1 else folded):
+                    raise PlanError(f"{where} = {outs[r][i]}: not combined in rank order, {folded}")
+    elif kind == "alltoallv":
+        m = shape.matrix
+        for r in range(n):
+            at = 0  # where rank i's block starts in rank r's output: column r's prefix
+            for i in range(n):
+                src = sum(m[i][:r])  # and in rank i's input: row i's prefix
+                for e in range(m[i][r]):
+                    expect(r, at + e, ("x", i, src + e))
+                at += m[i][r]
+    elif kind in ("scan", "exscan"):
+        # Every rank's result is the left fold in rank order, so any rank that computes an
+        # element computes the same expression; no division (the API rejects AVG for scans).
+        upto = 1 if kind == "scan" else 0
+        for r in range(n):
+            if r + upto == 0:
+                if outs[r] != ranks[r].initial_out:
+                    changed = [i for i, v in enumerate(outs[r]) if v != ranks[r].initial_out[i]]
+                    raise PlanError(f"{label}: rank 0 writes its exscan output (elements {changed[:5]})")
+                continue
+            for i in range(count):
+                expect(r, i, _fold([("x", j, i) for j in range(r + upto)]))
     elif kind == "barrier":
         for r, rk in enumerate(ranks):
             if rk.heard != set(range(n)):
                 raise PlanError(f"{label}: rank {r} leaves the barrier without hearing from {set(range(n)) - rk.heard}")
-    elif kind == "p2p":
-        for i in range(count):
-            expect(peer, i, ("x", root, i))
     else:
         raise PlanError(f"no postcondition for {kind}")
 
@@ -307,11 +417,21 @@ def verify(
     root: int = 0,
     inplace: bool = False,
     nslots: int = 1,
-    peer: int = 0,
+    counts: tuple[int, ...] = (),
+    matrix: tuple[tuple[int, ...], ...] = (),
 ) -> None:
-    """Check a whole call (``reps`` body pieces, then the tail); raises :class:`PlanError`."""
+    """Check a whole call (``reps`` body pieces, then the tail); raises :class:`PlanError`.
+
+    The variable-count collectives take their counts as the plan did: ``counts`` (one per
+    rank) or, for alltoallv, ``matrix[i][j]`` elements from rank ``i`` to rank ``j``.
+    """
     kind = plan.tail.kind
     label = f"{kind}/{plan.tail.algorithm} n={world_size} count={count} root={root}" + (" in-place" if inplace else "")
+    if counts:
+        label += f" counts={list(counts)}"
+    if matrix:
+        label += f" matrix={[list(row) for row in matrix]}"
+    shape = _shape(kind, world_size, count, root, tuple(counts), tuple(matrix))
     programs: list[list[tuple[Step, int]]] = [[] for _ in range(world_size)]
     for p in range(plan.reps):
         assert plan.body is not None
@@ -319,11 +439,17 @@ def verify(
             programs[r].extend((s, p * plan.piece) for s in plan.body.programs[r])
     for r in range(world_size):
         programs[r].extend((s, plan.reps * plan.piece) for s in plan.tail.programs[r])
-    ranks = _run(kind, world_size, count, root, inplace, nslots, programs, plan.tmp_count, label)
-    _check(kind, ranks, world_size, count, root, peer, label)
+    ranks = _run(shape, inplace, nslots, programs, plan.tmp_count, label)
+    _check(shape, ranks, label)
 
 
-def verify_plan(plan: Plan, *, nslots: int = 1, peer: int = 0) -> None:
+def verify_plan(
+    plan: Plan,
+    *,
+    nslots: int = 1,
+    counts: tuple[int, ...] = (),
+    matrix: tuple[tuple[int, ...], ...] = (),
+) -> None:
     """Check one piece's plan on its own (a call that is exactly one piece)."""
     seg = CallPlan(body=None, tail=plan, reps=0, piece=max(plan.count, 1))
     verify(
@@ -333,5 +459,6 @@ def verify_plan(plan: Plan, *, nslots: int = 1, peer: int = 0) -> None:
         root=plan.root,
         inplace=plan.inplace,
         nslots=nslots,
-        peer=peer,
+        counts=counts,
+        matrix=matrix,
     )

@@ -21,6 +21,14 @@ so a rank polling its own word never steals a line another rank is writing::
               +--------------------------------------------------------------------+
               | ring c     slot 0 | slot 1 | ... | slot NSLOTS-1                      |  one ring
               |            slot = SEQ SIG PLACE pad (32 B) + payload, 64-B aligned   |  per channel
+              +--------------------------------------------------------------------+
+              | mailbox m  producer line / consumer line, as a channel's            |  2 lines per
+              |            (m = src * n + dst: point-to-point, self included)       |  mailbox
+              +--------------------------------------------------------------------+
+              | doorbell r DOORBELL  DOORBELL_WAITERS                               |  1 line
+              |            (rung by whoever fills or frees rank r's mailboxes)      |  per rank
+              +--------------------------------------------------------------------+
+              | mail ring  MAIL_NSLOTS slots: ID TAG NBYTES DTYPE (32 B) + payload  |  per mailbox
               +--------------------------------------------------------------------+ TOTAL
 
 A channel is one directed single-producer single-consumer queue ``src -> dst``; there are
@@ -39,9 +47,15 @@ its tag, so a small message costs the consumer one line.
 The liveness lines are never written while their ranks live, so every rank can read all of
 them at the start of each call from its own cache.
 
-Footprint: ``192 + 192 n + 128 n (n - 1) + n (n - 1) NSLOTS round64(32 + SLOT_BYTES)`` bytes for
-``n`` ranks; with the defaults (4 slots of 64 KiB) that is about 256 KiB per channel: 0.5 MiB
-for 2 ranks, 3 MiB for 4, 14 MiB for 8, 63 MiB for 16.
+Point-to-point messages travel in **mailboxes**, apart from the collectives' channels, so that
+tags, wildcard receives and probes never see collective traffic (``engine/mailbox.py``): every
+slot of a message carries the message's id (counting per mailbox), tag, size and dtype, and a
+receiver sleeps on its **doorbell**, which senders ring after filling and receivers after
+freeing slots, instead of on one channel.
+
+Footprint: ``192 + 256 n + 128 n (n - 1) + 128 n^2 + n (n - 1) NSLOTS S + n^2 MAIL_NSLOTS S``
+bytes for ``n`` ranks, ``S = round64(32 + SLOT_BYTES)`` and ``MAIL_NSLOTS = min(NSLOTS, 2)``; with
+the defaults (4 slots of 64 KiB) that is 1 MiB for 2 ranks, 5 MiB for 4, 23 MiB for 8.
 """
 
 from __future__ import annotations
@@ -51,7 +65,7 @@ import dataclasses
 LINE = 64
 WORDS_PER_LINE = LINE // 8
 MAGIC = 0x6C6C6F636D687300  # "\0shmcoll" little endian: a header that is not ours fails fast
-VERSION = 3  # 2: A_GROUP_SIZE; 3: two-line rank records (WAIT_PEER) and the liveness lines
+VERSION = 4  # 2: A_GROUP_SIZE; 3: rank records with WAIT_PEER, liveness lines; 4: mailboxes
 SLOT_HEADER_BYTES = 32
 
 # Header words (int64 index).
@@ -87,6 +101,12 @@ C_TAIL_WAITERS = 1
 C_TAIL = WORDS_PER_LINE
 C_HEAD_WAITERS = WORDS_PER_LINE + 1
 CHANNEL_WORDS = 2 * WORDS_PER_LINE
+# Doorbell fields (offsets within a rank's doorbell line).
+D_DOORBELL = 0
+D_WAITERS = 1
+# Mailbox slot header (int64 words): the message's id in its mailbox, tag, bytes, dtype code.
+M_ID, M_TAG, M_NBYTES, M_DTYPE = range(4)
+MAIL_NSLOTS_MAX = 2
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -134,8 +154,44 @@ class Layout:
         return (self.channels_base_word + self.nchannels * CHANNEL_WORDS) * 8
 
     @property
+    def mail_base_word(self) -> int:
+        return (self.slots_base + self.nchannels * self.ring_bytes) // 8
+
+    @property
+    def nmailboxes(self) -> int:
+        return self.world_size * self.world_size
+
+    @property
+    def doorbell_base_word(self) -> int:
+        return self.mail_base_word + self.nmailboxes * CHANNEL_WORDS
+
+    @property
+    def mail_nslots(self) -> int:
+        return min(self.nslots, MAIL_NSLOTS_MAX)
+
+    @property
+    def mail_ring_bytes(self) -> int:
+        return self.mail_nslots * self.slot_stride
+
+    @property
+    def mail_slots_base(self) -> int:
+        return (self.doorbell_base_word + self.world_size * WORDS_PER_LINE) * 8
+
+    @property
     def total_bytes(self) -> int:
-        return self.slots_base + self.nchannels * self.ring_bytes
+        return self.mail_slots_base + self.nmailboxes * self.mail_ring_bytes
+
+    def mailbox(self, src: int, dst: int) -> int:
+        """Index of the mailbox ``src -> dst`` (``src == dst``: a rank's messages to itself)."""
+        if not (0 <= src < self.world_size and 0 <= dst < self.world_size):
+            raise ValueError(f"no mailbox {src} -> {dst} among {self.world_size} ranks")
+        return src * self.world_size + dst
+
+    def mailbox_word(self, mailbox: int, field: int) -> int:
+        return self.mail_base_word + mailbox * CHANNEL_WORDS + field
+
+    def doorbell_word(self, rank: int) -> int:
+        return self.doorbell_base_word + rank * WORDS_PER_LINE
 
     def rank_word(self, rank: int, field: int) -> int:
         return RANKS_BASE_WORD + rank * RANK_WORDS + field

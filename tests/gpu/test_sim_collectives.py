@@ -132,9 +132,9 @@ def _errors(comm: Any) -> list[str]:
         "allgather overlap",
         lambda w: (lambda b: comm.allgather(b[1:3], out=b[: 2 * comm.world_size].reshape(-1, 2)))(w(buf)),
     )
-    both("send to self", lambda w: comm.send(w(z(2, f32)), dst=comm.rank))
+    both("send with a negative tag", lambda w: comm.send(w(z(2, f32)), dst=comm.rank, tag=-3))
     both("send out of range", lambda w: comm.send(w(z(2, f32)), dst=comm.world_size))
-    both("recv out of range", lambda w: comm.recv(w(z(2, f32)), src=-1))
+    both("recv out of range", lambda w: comm.recv(w(z(2, f32)), src=-2))
     ro = z(4, f32)
     ro.flags.writeable = False
     both("read-only in place", lambda w: comm.allreduce(w(ro, readonly=True)))
@@ -172,11 +172,11 @@ def _p2p(comm: Any) -> list[float]:
             send, recv = comm.send, comm.recv
         if r % 2 == 0:
             assert send(dx, dst=(r + 1) % n) is None
-            res = recv(buf, src=(r - 1) % n)
+            status = recv(buf, src=(r - 1) % n)
         else:
-            res = recv(buf, src=(r - 1) % n)
+            status = recv(buf, src=(r - 1) % n)
             send(dx, dst=(r + 1) % n)
-        assert res is buf
+        assert (status.source, status.tag, status.count) == ((r - 1) % n, 0, 5)
         got.append(float(to_host(buf)[0]))
     return got
 

@@ -143,17 +143,17 @@ def _probe(comm):  # type: ignore[no-untyped-def]
     if comm.rank == 1:
         comm.barrier()  # rank 0's barrier message to us is consumed here; the next one is p2p
         deadline = time.monotonic() + 10
-        while not comm.probe(0):
+        while comm.iprobe(0) is None:
             assert time.monotonic() < deadline, "message never arrived"
             time.sleep(0.001)
         comm.recv(x, src=0)
-        assert not comm.probe(0)
+        assert comm.iprobe(0) is None
         return x.tolist()
     comm.barrier()
     if comm.rank == 0:
         comm.send(x * 2, dst=1)
-        with pytest.raises(ValueError, match="itself"):
-            comm.probe(0)
+        with pytest.raises(ValueError, match="out of range"):
+            comm.iprobe(comm.world_size)
     return None
 
 
@@ -193,6 +193,13 @@ def _objects_no_errors(comm):  # type: ignore[no-untyped-def]
     assert comm.scatter_object([f"to {i}" for i in range(n)] if r == 0 else None, root=0) == f"to {r}"
     big = comm.broadcast_object(np.arange(10_000) if r == 1 else None, root=1)
     np.testing.assert_array_equal(big, np.arange(10_000))
+    assert comm.alltoall_object([(r, j) for j in range(n)]) == [(i, r) for i in range(n)]
+    assert comm.allreduce_object(r + 1) == n * (n + 1) // 2
+    assert comm.allreduce_object(r + 1, "avg") == (n + 1) / 2
+    assert comm.allreduce_object([r], lambda a, b: a + b) == list(range(n))  # rank order
+    assert comm.allreduce_object({r}, ReduceOp.BOR) == set(range(n))
+    assert comm.allreduce_object(f"{r}", max) == str(n - 1)
+    assert comm.reduce_object(r, "min", root=1 % n) == (0 if r == 1 % n else None)
     return True
 
 
@@ -253,10 +260,27 @@ def _bad_inputs(comm):  # type: ignore[no-untyped-def]
             "out=|world_size",
         ),
         (lambda: comm.allgather(x, out=np.empty((n, 11), np.float32)), ValueError, "shape"),
-        (lambda: comm.send(x, dst=comm.rank), ValueError, "this rank itself"),
+        (lambda: comm.send(x, dst=-1), ValueError, "out of range"),
+        (lambda: comm.send(x, dst=0, tag=-5), ValueError, "tag"),
         (lambda: comm.send(x, dst=n), ValueError, "out of range"),
         (lambda: comm.recv(ro, src=0), ValueError, "read-only"),
         (lambda: comm.split(color=-2), ValueError, "color"),
+        (lambda: comm.allgatherv(x, [12] * (n + 1)), ValueError, "one count per rank"),
+        (lambda: comm.allgatherv(x, [-1] + [12] * (n - 1)), ValueError, "negative"),
+        (lambda: comm.allgatherv(x, [1.5] * n), TypeError, "must be an int"),
+        (lambda: comm.allgatherv(x, [11] * n), ValueError, "counts"),
+        (lambda: comm.allgatherv(x, [12] * n, out=np.empty(12 * n, np.float64)), TypeError, "dtype"),
+        (lambda: comm.allgatherv(x, [12] * n, out=np.empty(12 * n - 1, np.float32)), ValueError, "sum"),
+        (lambda: comm.gatherv(x, None, root=comm.rank), ValueError, "required on the root"),
+        (lambda: comm.scatterv(None, None, root=(comm.rank + 1) % n), ValueError, "out="),
+        (lambda: comm.reduce_scatter(x, "sum", [5] * n), ValueError, "sum"),
+        (lambda: comm.alltoallv(x, [12] + [0] * (n - 1), [12] + [0] * (n - 1), out=x), ValueError, "in place"),
+        (lambda: comm.alltoallv(x, [6] * 2 + [0] * (n - 2), [5] * n), ValueError, "recv_counts"),
+        (lambda: comm.alltoallv(x, [5] * n), ValueError, "send_counts"),
+        (lambda: comm.scan(x, "avg"), ValueError, "AVG"),
+        (lambda: comm.iexscan(x, "avg"), ValueError, "AVG"),
+        (lambda: comm.alltoall_object([1] * (n + 1)), ValueError, "world_size"),
+        (lambda: comm.allreduce_object(1, "median"), ValueError, "unknown reduction op"),
     ]
     for fn, exc, pattern in checks:
         with pytest.raises(exc, match=pattern):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from cases import COLLECTIVES, SAME_ON_ALL, matrix, run_cases
+from cases import EVERY, SAME_ON_ALL, matrix, run_cases
 
 # Tiny slots (64 bytes, 2 per ring) so that counts of a few dozen elements already run the
 # many-piece path and exceed the whole ring.
@@ -14,7 +14,7 @@ BATCH = 1500
 
 def check_matrix(pools, world_size: int, kinds=None, algorithms=None, nslots: int = NSLOTS) -> int:  # type: ignore[no-untyped-def]
     pool = pools.get(world_size, slot_bytes=SLOT_BYTES, nslots=nslots)
-    cases = matrix(world_size, SLOT_BYTES, algorithms=algorithms, kinds=kinds or COLLECTIVES)
+    cases = matrix(world_size, SLOT_BYTES, algorithms=algorithms, kinds=kinds or EVERY)
     for start in range(0, len(cases), BATCH):
         batch = cases[start : start + BATCH]
         results = pool.run(run_cases, batch, timeout=900)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cases import COLLECTIVES, REDUCING, ROOTED, SAME_ON_ALL, Case, make_case, run_cases
+from cases import EVERY, PREFIX, REDUCING, ROOTED, SAME_ON_ALL, Case, make_case, run_cases
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,10 +20,12 @@ WORLD_SIZES = (1, 2, 3, 4, 5)
 @st.composite
 def cases(draw):  # type: ignore[no-untyped-def]
     world_size = draw(st.sampled_from(WORLD_SIZES))
-    kind = draw(st.sampled_from(COLLECTIVES))
+    kind = draw(st.sampled_from(EVERY))
     algorithm = draw(st.sampled_from([a.name for a in registry.algorithms(kind)]))
     dtype = draw(st.sampled_from(DTYPES))
     ops = [op for op in ReduceOp if supports(op, dtype)] if kind in REDUCING else [ReduceOp.SUM]
+    if kind in PREFIX:
+        ops = [op for op in ops if op != ReduceOp.AVG]
     case = make_case(
         kind=kind,
         algorithm=algorithm,
@@ -68,8 +70,14 @@ def test_invalid_op_dtype_pairs_raise_before_communicating(lone_comm, dtype, op,
         "allreduce": lambda: lone_comm.allreduce(x, op),
         "reduce": lambda: lone_comm.reduce(x, 0, op),
         "reduce_scatter": lambda: lone_comm.reduce_scatter(x, op),
+        "reduce_scatterv": lambda: lone_comm.reduce_scatter(x, op, [4]),
+        "scan": lambda: lone_comm.scan(x, op),
+        "exscan": lambda: lone_comm.exscan(x, op),
     }[kind]
-    if supports(op, dtype):
+    if kind in PREFIX and op == ReduceOp.AVG and supports(op, dtype):
+        with pytest.raises(ValueError, match="AVG is not a prefix reduction"):
+            call()
+    elif supports(op, dtype):
         call()
     else:
         with pytest.raises(ValueError, match="not defined for dtype"):

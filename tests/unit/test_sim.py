@@ -13,7 +13,7 @@ from shmcoll import sim, units
 from shmcoll.algos import closed_forms as fit
 from shmcoll.algos import registry
 from shmcoll.algos.registry import Algorithm, Query
-from shmcoll.collectives import COLLECTIVES
+from shmcoll.collectives import UNIFORM
 from shmcoll.plan import cost
 from shmcoll.plan.builder import Context, accumulate_in_rank_order, split
 from shmcoll.plan.ir import Buf
@@ -198,7 +198,7 @@ def test_test_only_algorithms_are_valid_plans(textbook) -> None:  # type: ignore
 def test_point_to_point_costs_alpha_plus_both_copies() -> None:
     """One message: the sender is busy b/beta, it arrives alpha later, the receiver copies b/beta."""
     alpha, beta, nbytes = 3e-6, 2e9, 4000
-    plan = plan_call(registry.get("p2p", "direct"), 2, nbytes, 1 << 20, root=0, peer=1)
+    plan = plan_call(registry.get("broadcast", "direct"), 2, nbytes, 1 << 20, root=0, inplace=True)
     got = cost.simulate(plan, 1, cost.CostModel(alpha, beta)).time_s
     assert got == pytest.approx(alpha + 2 * nbytes / beta)
 
@@ -206,7 +206,7 @@ def test_point_to_point_costs_alpha_plus_both_copies() -> None:
 def test_bounded_slots_throttle_a_latency_bound_stream() -> None:
     """With zero copy cost, a channel of k slots passes k messages per latency."""
     pieces, alpha = 40, 1e-6
-    plan = plan_call(registry.get("p2p", "direct"), 2, pieces, 1, root=0, peer=1)
+    plan = plan_call(registry.get("broadcast", "direct"), 2, pieces, 1, root=0, inplace=True)
     for nslots in (1, 2, 4):
         t = cost.simulate(plan, 1, cost.CostModel(alpha, math.inf, nslots=nslots)).time_s
         assert t == pytest.approx(alpha * math.ceil(pieces / nslots), rel=1e-9)
@@ -346,9 +346,11 @@ def test_closed_forms_equal_the_plans_for_every_registered_allreduce(textbook) -
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("collective", COLLECTIVES)
+@pytest.mark.parametrize("collective", UNIFORM)
 def test_closed_forms_equal_the_plans_up_to_the_limit(textbook, collective: str) -> None:  # type: ignore[no-untyped-def]
-    """Every registered algorithm of every collective, every n from 3 to EXACT_LIMIT (minutes)."""
+    """Every registered algorithm of every uniform collective, every n from 3 to EXACT_LIMIT
+    (minutes). The variable-count ones are left out: ``closed_forms.plan_figures`` builds plans
+    without per-rank counts, which their builders refuse."""
     assert _check_every_registered_closed_form(cost.EXACT_LIMIT, (collective,)) >= 1
 
 

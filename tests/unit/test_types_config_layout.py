@@ -92,6 +92,8 @@ def test_channels_are_a_bijection() -> None:
 
 def test_footprint_formula() -> None:
     n, nslots, slot = 8, 4, 64 << 10
-    expected = 192 + 192 * n + 128 * n * (n - 1) + n * (n - 1) * nslots * layout.round_up(32 + slot, 64)
+    stride = layout.round_up(32 + slot, 64)
+    mail = min(nslots, 2)
+    expected = 192 + 256 * n + 128 * n * (n - 1) + 128 * n * n + n * (n - 1) * nslots * stride + n * n * mail * stride
     assert layout.footprint_bytes(n, nslots, slot) == expected
-    assert layout.footprint_bytes(1, 4, slot) == 192 + 192
+    assert layout.footprint_bytes(1, 4, slot) == 192 + 256 + 128 + 2 * layout.round_up(32 + slot, 64)

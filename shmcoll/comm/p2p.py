@@ -1,0 +1,479 @@
+"""Point-to-point messages: tags, wildcards, probes, blocking and nonblocking forms.
+
+Messages travel in the arena's mailboxes (``engine/mailbox.py``), apart from the collectives,
+and are matched here the way MPI matches them:
+
+- a receive names a source (or ``ANY_SOURCE``) and a tag (or ``ANY_TAG``); it takes the
+  earliest message that arrived and matches, else it is **posted** and waits;
+- a message that arrives is given to the earliest posted receive that matches, else it is kept
+  as an **unexpected** message (its bytes copied out of the mailbox, so that later messages of
+  the same sender can pass it: a receive for tag 7 is not blocked by a message with tag 5);
+- messages between one pair of ranks with the same tag therefore arrive in order; across
+  senders, ``ANY_SOURCE`` takes them in the order they arrived, and the mailboxes are served in
+  turn, so no sender is starved;
+- a send to oneself goes through one's own mailbox like any other.
+
+Progress: every blocking call and every ``wait`` moves all outstanding messages of the
+communicator (sends that did not fit, receives in flight), so a blocking send also drains what
+arrives meanwhile (a pair of ranks sending large messages to each other then receiving does not
+deadlock). Nonblocking operations are also moved by a thread of their own while the caller
+computes; it sleeps on this rank's doorbell, which any peer rings when it fills or frees one of
+our mailboxes. A lock serialises the matching, so point-to-point calls may come from several
+threads.
+
+A receive into a buffer smaller than its message, or of another dtype, raises ``ValueError`` /
+``TypeError`` before anything is copied, and the message stays to be received with a fitting
+buffer. A timeout, a lost peer or an abort breaks the communicator like a collective's.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from shmcoll import config
+from shmcoll.comm import arrays
+from shmcoll.comm.requests import _ANY_DONE, _ANY_WAITERS, _DONE, Request
+from shmcoll.engine import mailbox
+from shmcoll.errors import CollectiveTimeout, PeerLostError
+from shmcoll.shm import layout
+from shmcoll.types import DTYPE_CODE, DTYPES
+
+ANY_SOURCE = -1
+ANY_TAG = -1
+_MAX_TAG = (1 << 62) - 1
+_SLEEP_NS = 5_000_000  # longest single sleep on the doorbell: bounds how late an abort is noticed
+_OBJECT_DTYPE = 31  # the dtype code of pickled objects' bytes (send_object / recv_object)
+
+Runtime = Any  # comm.runtime.Runtime
+
+
+@dataclasses.dataclass(frozen=True)
+class Status:
+    """What a receive (or a probe) found: the message's source, tag and size.
+
+    ``count`` is in elements of the receive's dtype (of the sender's, for a probe); ``nbytes`` in
+    bytes.
+    """
+
+    source: int
+    tag: int
+    count: int
+    nbytes: int
+
+
+class _Receive:
+    """A posted receive: where a matching message goes."""
+
+    __slots__ = ("src", "tag", "out", "dtype", "req", "allocate")
+
+    def __init__(self, src: int, tag: int, out: np.ndarray | None, dtype: np.dtype | None, req: Request) -> None:
+        self.src, self.tag, self.out, self.dtype, self.req = src, tag, out, dtype, req
+        self.allocate = out is None  # recv_object: a buffer of the message's size
+
+    def matches(self, src: int, tag: int) -> bool:
+        return (self.src == ANY_SOURCE or self.src == src) and (self.tag == ANY_TAG or self.tag == tag)
+
+
+class _Message:
+    """A message being received from a mailbox, or kept as unexpected."""
+
+    __slots__ = ("src", "msg_id", "tag", "nbytes", "dtype", "order", "got", "total", "buf", "recv")
+
+    def __init__(self, src: int, header: np.ndarray, order: int, total: int) -> None:
+        self.src = src
+        self.msg_id, self.tag, self.nbytes, self.dtype = (int(v) for v in header)
+        self.order = order  # arrival order, across senders
+        self.got = 0
+        self.total = total
+        self.buf: np.ndarray = np.empty(0, np.uint8)
+        self.recv: _Receive | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.got == self.total
+
+
+class _Send:
+    __slots__ = ("dst", "payload", "sent", "total", "msg_id", "tag", "nbytes", "dtype", "req")
+
+    def __init__(self, dst: int, payload: np.ndarray, total: int, msg_id: int, tag: int, dtype: int, req: Request):
+        self.dst, self.payload, self.sent, self.total = dst, payload, 0, total
+        self.msg_id, self.tag, self.nbytes, self.dtype, self.req = msg_id, tag, payload.size, dtype, req
+
+
+class PointToPoint:
+    """One communicator's point-to-point state (see the module docstring)."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self._rt = rt
+        n = rt.world_size
+        self._n = n
+        self._geo = mailbox.geometry(rt._arena.layout, rt.rank)
+        self._data = rt._arena.view(np.dtype(np.uint8))
+        self._lock = threading.Lock()
+        self._next_id = [1] * n  # per outgoing mailbox
+        self._current: list[_Message | None] = [None] * n  # the message being pulled, per sender
+        self._unexpected: list[_Message] = []  # in arrival order
+        self._posted: list[_Receive] = []  # in posting order
+        self._sends: list[collections.deque[_Send]] = [collections.deque() for _ in range(n)]
+        self._header = np.zeros(4, np.int64)
+        self._order = 0
+        self._turn = 0
+        self._tracked: set[Request] = set()  # nonblocking operations not yet complete
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Condition(self._lock)
+        self._stopping = False
+
+    # --- the calls ----------------------------------------------------------------------------
+    def send(
+        self, x: Any, dst: int, tag: int, timeout: float | None, blocking: bool, dtype_code: int | None = None
+    ) -> Request:
+        payload, dtype = self._payload(x, "x")
+        if dtype_code is not None:
+            dtype = dtype_code
+        self._check_peer(dst, "dst")
+        _check_tag(tag, "tag", wildcard=False)
+        req = Request(self, None, timeout, f"send(dst={dst}, tag={tag})", 0.0)
+        with self._lock:
+            self._rt._check_usable()
+            msg_id = self._next_id[dst]
+            self._next_id[dst] += 1
+            s = _Send(dst, payload, int(mailbox.fragments(self._geo, payload.size)), msg_id, tag, dtype, req)
+            self._sends[dst].append(s)
+            self._advance()
+            self._track(req, blocking)
+        return req
+
+    def recv(
+        self, buf: Any, src: int, tag: int, timeout: float | None, blocking: bool, allocate: bool = False
+    ) -> Request:
+        if allocate:
+            out, dtype = None, None
+        else:
+            out, dtype = self._payload(buf, "buf", written=True)
+        if src != ANY_SOURCE:
+            self._check_peer(src, "src")
+        _check_tag(tag, "tag", wildcard=True)
+        what = f"recv(src={'ANY_SOURCE' if src == ANY_SOURCE else src}, tag={'ANY_TAG' if tag == ANY_TAG else tag})"
+        req = Request(self, None, timeout, what, 0.0)
+        r = _Receive(src, tag, out, None if dtype is None else DTYPES[dtype], req)
+        req._bound = buf  # what wait() returns the Status of (and keeps the buffer alive)
+        with self._lock:
+            self._rt._check_usable()
+            self._post(r)
+            self._advance()
+            self._track(req, blocking)
+        return req
+
+    def probe(self, src: int, tag: int, timeout: float | None, blocking: bool) -> Status | None:
+        if src != ANY_SOURCE:
+            self._check_peer(src, "src")
+        _check_tag(tag, "tag", wildcard=True)
+        limit = self._rt.timeout if timeout is None else config.timeout_s(timeout)
+        deadline = time.monotonic() + limit
+        what = f"probe(src={'ANY_SOURCE' if src == ANY_SOURCE else src}, tag={'ANY_TAG' if tag == ANY_TAG else tag})"
+        while True:
+            seen = mailbox.doorbell(self._rt._ctrl, self._geo)
+            with self._lock:
+                self._rt._check_usable()
+                self._advance()
+                found = self._find(src, tag)
+                if found is not None or not blocking:
+                    return None if found is None else _status(found, None)
+            self._check_waiting(what, deadline, limit, src)
+            mailbox.sleep_on_doorbell(self._rt._ctrl, self._geo, seen, self._sleep_ns(deadline))
+
+    # --- requests (Request.wait / test call these through the queue protocol) -----------------
+    def wait_for(self, req: Request, timeout: float | None) -> None:
+        limit = self._rt.timeout if req._timeout is None else req._timeout
+        started = time.monotonic()
+        stop_waiting = None if timeout is None else started + timeout
+        while req._state != _DONE:
+            seen = mailbox.doorbell(self._rt._ctrl, self._geo)
+            with self._lock:
+                if req._state == _DONE:
+                    break
+                self._advance()
+                if req._state == _DONE:
+                    break
+            if stop_waiting is not None and time.monotonic() > stop_waiting:
+                raise TimeoutError(f"{req.what} has not completed after {timeout:g}s; it goes on: wait again later")
+            self._check_waiting(req.what, started + limit, limit, _peer_of(req))
+            wake_at = started + limit if stop_waiting is None else min(started + limit, stop_waiting)
+            mailbox.sleep_on_doorbell(self._rt._ctrl, self._geo, seen, self._sleep_ns(wake_at))
+
+    def _track(self, req: Request, blocking: bool) -> None:
+        """(lock held) Count a nonblocking operation, and start the thread that moves them."""
+        if blocking or req._state == _DONE:
+            return
+        self._tracked.add(req)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name=f"shmcoll-p2p-r{self._rt.rank}", daemon=True)
+            self._thread.start()
+        else:
+            self._wake.notify()
+
+    def _complete(self, req: Request, result: Any = None, error: BaseException | None = None) -> None:
+        """(lock held) Finish a request."""
+        if req._state == _DONE:
+            return
+        req._result, req._error = result, error
+        req._state = _DONE
+        self._tracked.discard(req)
+        if _ANY_WAITERS[0]:
+            with _ANY_DONE:
+                _ANY_DONE.notify_all()
+
+    def _serve(self) -> None:
+        """Move nonblocking operations while the caller does something else."""
+        while True:
+            with self._lock:
+                while not self._tracked and not self._stopping:
+                    self._wake.wait()
+                if self._stopping and not self._tracked:
+                    return
+            seen = mailbox.doorbell(self._rt._ctrl, self._geo)
+            with self._lock:
+                self._advance()
+                if not self._tracked:
+                    continue
+            try:
+                self._check_waiting("a nonblocking point-to-point operation", float("inf"), float("inf"), ANY_SOURCE)
+            except BaseException as exc:  # noqa: BLE001  (every pending operation fails with it)
+                self._fail_all(exc)
+                continue
+            mailbox.sleep_on_doorbell(self._rt._ctrl, self._geo, seen, _SLEEP_NS)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            for q in self._sends:
+                while q:
+                    self._complete(q.popleft().req, error=exc)
+            for r in self._posted:
+                self._complete(r.req, error=exc)
+            self._posted.clear()
+            for m in self._current:
+                if m is not None and m.recv is not None:
+                    self._complete(m.recv.req, error=exc)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._wake.notify_all()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+
+    # --- matching -----------------------------------------------------------------------------
+    def _post(self, r: _Receive) -> None:
+        """(lock held) Give ``r`` the earliest matching message that arrived, else post it."""
+        for m in self._unexpected:
+            if m.recv is None and r.matches(m.src, m.tag):
+                if self._fits(r, m):
+                    m.recv = r
+                    if m.complete:
+                        self._deliver(m)
+                return
+        self._posted.append(r)
+
+    def _fits(self, r: _Receive, m: _Message) -> bool:
+        """Whether ``m`` can go into ``r``'s buffer; else fail ``r`` (the message stays)."""
+        if r.allocate:  # recv_object: only an object will do
+            if m.dtype == _OBJECT_DTYPE:
+                return True
+            self._complete(
+                r.req,
+                error=TypeError(
+                    f"rank {self._rt.rank}: {r.req.what}: rank {m.src} sent an array of {DTYPES[m.dtype].name} "
+                    f"(tag {m.tag}), not an object (send_object); the message stays, to be received with recv"
+                ),
+            )
+            return False
+        assert r.out is not None and r.dtype is not None
+        if m.dtype != DTYPE_CODE.get(r.dtype, -1):
+            sent = "bytes of an object" if m.dtype == _OBJECT_DTYPE else DTYPES[m.dtype].name
+            self._complete(
+                r.req,
+                error=TypeError(
+                    f"rank {self._rt.rank}: {r.req.what}: rank {m.src} sent {sent} (tag {m.tag}), the buffer is "
+                    f"{r.dtype}; the message stays, to be received into a buffer of its dtype"
+                ),
+            )
+            return False
+        if m.nbytes > r.out.size:
+            self._complete(
+                r.req,
+                error=ValueError(
+                    f"rank {self._rt.rank}: {r.req.what}: the message from rank {m.src} (tag {m.tag}) has "
+                    f"{m.nbytes:,} bytes, the buffer holds {r.out.size:,}; the message stays, to be received "
+                    f"into a buffer that fits"
+                ),
+            )
+            return False
+        return True
+
+    def _deliver(self, m: _Message) -> None:
+        """(lock held) Complete the receive of a whole message."""
+        r = m.recv
+        assert r is not None
+        if m in self._unexpected:
+            self._unexpected.remove(m)
+        if r.allocate:
+            result: Any = (m.buf, _status(m, None))
+        else:
+            assert r.out is not None
+            if m.buf is not r.out and m.nbytes:
+                r.out[: m.nbytes] = m.buf[: m.nbytes]
+            result = _status(m, r.dtype)
+        self._complete(r.req, result=result)
+
+    def _find(self, src: int, tag: int) -> _Message | None:
+        """(lock held) The earliest arrived message matching (src, tag) that no receive took."""
+        for m in self._unexpected:
+            if m.recv is None and (src == ANY_SOURCE or m.src == src) and (tag == ANY_TAG or m.tag == tag):
+                return m
+        return None
+
+    def _advance(self) -> bool:
+        """(lock held) Move every outstanding message as far as it goes now."""
+        ctrl, geo, data = self._rt._ctrl, self._geo, self._data
+        moved = False
+        for dst in range(self._n):
+            q = self._sends[dst]
+            while q:
+                s = q[0]
+                sent = int(mailbox.push(ctrl, data, geo, dst, s.payload, s.sent, s.msg_id, s.tag, s.nbytes, s.dtype))
+                moved = moved or sent != s.sent
+                s.sent = sent
+                if sent < s.total:
+                    break
+                q.popleft()
+                self._complete(s.req)
+        while True:  # passes over the senders, one message each, until nothing more has arrived
+            moved_now = False
+            for k in range(self._n):
+                moved_now = self._drain((self._turn + k) % self._n) or moved_now
+            self._turn = (self._turn + 1) % self._n
+            if not moved_now:
+                return moved
+            moved = True
+
+    def _drain(self, src: int) -> bool:
+        """(lock held) Take in what arrived from ``src``: the rest of the message in flight, or
+        one new message. One per pass, whatever the sender keeps sending: the callers serve the
+        senders in turn, so no sender can starve the others."""
+        ctrl, geo = self._rt._ctrl, self._geo
+        m = self._current[src]
+        if m is None:
+            if not mailbox.peek(ctrl, geo, src, self._header):
+                return False
+            self._order += 1
+            m = _Message(src, self._header, self._order, int(mailbox.fragments(geo, int(self._header[2]))))
+            for r in self._posted:
+                if r.matches(src, m.tag):
+                    self._posted.remove(r)
+                    if self._fits(r, m):
+                        m.recv = r
+                    break
+            if m.recv is not None and not m.recv.allocate:
+                m.buf = m.recv.out  # type: ignore[assignment]
+            else:
+                m.buf = np.empty(m.nbytes, np.uint8)
+                if m.recv is None:
+                    self._unexpected.append(m)
+            self._current[src] = m
+        got = int(mailbox.pull(ctrl, self._data, geo, src, m.buf, m.got, m.msg_id, m.nbytes))
+        if got < 0:
+            raise RuntimeError(f"rank {self._rt.rank}: mailbox from rank {src} out of order (message {m.msg_id})")
+        moved = got != m.got or m.got == 0
+        m.got = got
+        if m.complete:
+            self._current[src] = None
+            if m.recv is not None:
+                self._deliver(m)
+        return moved
+
+    # --- failing ------------------------------------------------------------------------------
+    def _check_waiting(self, what: str, deadline: float, limit: float, peer: int) -> None:
+        """Raise (breaking the communicator) if waiting is over: an abort, a lost peer, the deadline."""
+        rt = self._rt
+        if rt._broken is not None:
+            rt._check_usable()
+        if rt._arena.word(layout.AB_CODE) != 0:
+            info = rt._arena.abort_info()
+            rt._broken = f"rank {rt.rank}: {what}: the communicator was aborted (by rank {info['origin']})"
+            rt._check_usable()
+        peers = range(self._n) if peer == ANY_SOURCE else (peer,)
+        for p in peers:
+            if p == rt.rank:
+                continue
+            status = rt._arena.peer_status(p)
+            if status in ("dead", "failed") or (status == "exited" and peer != ANY_SOURCE):
+                msg = f"rank {rt.rank}: {what}: peer rank {p} was lost ({status})"
+                rt._arena.abort(rt.rank, layout.ABORT_PEER_LOST, p)
+                rt._broken = msg
+                raise PeerLostError(msg, dead_rank=p)
+        if time.monotonic() > deadline:
+            pending = ", ".join(
+                f"from rank {m.src} tag {m.tag} ({m.nbytes:,} bytes)" for m in self._unexpected if m.recv is None
+            )
+            msg = f"rank {rt.rank}: {what} timed out after {limit:g}s with no matching message" + (
+                f"; arrived but not matching: {pending}" if pending else "; nothing else arrived either"
+            )
+            rt._arena.abort(rt.rank, layout.ABORT_TIMEOUT, -1)
+            rt._broken = msg
+            raise CollectiveTimeout(msg)
+
+    def _sleep_ns(self, until: float) -> int:
+        return int(max(1e3, min(_SLEEP_NS, (until - time.monotonic()) * 1e9)))
+
+    # --- arguments ----------------------------------------------------------------------------
+    def _payload(self, a: Any, name: str, written: bool = False) -> tuple[np.ndarray, int]:
+        """A flat byte view of a numpy array (or anything ``bind`` accepted), and its dtype code."""
+        if not isinstance(a, np.ndarray):
+            raise arrays.not_array(name, a)
+        if written:
+            arrays.check_written(a, name)
+        else:
+            arrays.check_read(a, name)
+        arrays.check_dtype(a.dtype)
+        flat = a.reshape(-1) if a.ndim != 1 else a
+        return flat.view(np.uint8), DTYPE_CODE[a.dtype]
+
+    def _check_peer(self, peer: Any, name: str) -> None:
+        if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self._n:
+            raise ValueError(f"{name}={peer!r} out of range for world_size {self._n}")
+
+
+def _check_tag(tag: Any, name: str, wildcard: bool) -> None:
+    if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {tag!r}")
+    if (tag == ANY_TAG and wildcard) or 0 <= tag <= _MAX_TAG:
+        return
+    raise ValueError(f"{name} must be >= 0{' (or ANY_TAG)' if wildcard else ''}, got {tag}")
+
+
+def _status(m: _Message, dtype: np.dtype | None) -> Status:
+    if dtype is None:
+        dtype = np.dtype(np.uint8) if m.dtype >= len(DTYPES) else DTYPES[m.dtype]
+    itemsize = dtype.itemsize
+    return Status(m.src, m.tag, m.nbytes // itemsize, m.nbytes)
+
+
+def _peer_of(req: Request) -> int:
+    what = req.what
+    for key in ("dst=", "src="):
+        if key in what:
+            text = what.split(key, 1)[1].split(",", 1)[0]
+            return ANY_SOURCE if text == "ANY_SOURCE" else int(text)
+    return ANY_SOURCE
+
+
+__all__ = ["ANY_SOURCE", "ANY_TAG", "OBJECT_DTYPE", "PointToPoint", "Status"]
+OBJECT_DTYPE = _OBJECT_DTYPE

@@ -1,0 +1,194 @@
+"""Point-to-point messages through the arena's mailboxes: the jitted half of ``comm.p2p``.
+
+A message from ``src`` to ``dst`` travels in mailbox ``src -> dst`` (``shm/layout``) as
+``max(1, ceil(nbytes / SLOT_BYTES))`` fragments, each in one slot whose header repeats the
+message's id (counting per mailbox from 1), tag, size and dtype code, so the receiver learns
+what a message is from its first fragment and can decide where it goes (a posted receive's
+buffer, or a buffer of its own for an unexpected message) before it copies anything.
+
+None of these functions waits: :func:`push` sends the fragments that fit in free slots,
+:func:`peek` reads the header at the head of a mailbox, :func:`pull` copies the fragments that
+have arrived; each returns how far it got, and the Python side (``comm.p2p``), which owns the
+matching, calls them again. Whoever fills a rank's mailboxes or frees slots in mailboxes a rank
+fills rings that rank's **doorbell** (a counter; :func:`ring` wakes a sleeper with the futex,
+only when one sleeps), and a rank with nothing to do sleeps on its own doorbell
+(:func:`sleep_on_doorbell`), so one word covers every mailbox it waits on.
+
+``geo`` is the communicator's geometry, fixed at connect time (:func:`geometry`).
+"""
+
+from __future__ import annotations
+
+from shmcoll.jit import jit
+from shmcoll.kernels.cpu import copy
+from shmcoll.shm.atomics import fetch_add, futex_wait, futex_wake, load_acquire, load_seqcst, store_release
+from shmcoll.shm.layout import (
+    C_HEAD,
+    C_TAIL,
+    CHANNEL_WORDS,
+    D_DOORBELL,
+    D_WAITERS,
+    M_DTYPE,
+    M_ID,
+    M_NBYTES,
+    M_TAG,
+    SLOT_HEADER_BYTES,
+    WORDS_PER_LINE,
+)
+
+# Geometry words.
+(G_RANK, G_WORLD, G_MAIL_BASE, G_DOORBELL_BASE, G_SLOTS_BASE, G_RING_BYTES, G_STRIDE, G_NSLOTS, G_SLOT_BYTES) = range(9)
+
+
+def geometry(layout, rank: int):  # type: ignore[no-untyped-def]
+    """The geometry array of ``rank`` in an arena of this ``layout``."""
+    import numpy as np
+
+    g = np.zeros(9, np.int64)
+    g[G_RANK] = rank
+    g[G_WORLD] = layout.world_size
+    g[G_MAIL_BASE] = layout.mail_base_word
+    g[G_DOORBELL_BASE] = layout.doorbell_base_word
+    g[G_SLOTS_BASE] = layout.mail_slots_base
+    g[G_RING_BYTES] = layout.mail_ring_bytes
+    g[G_STRIDE] = layout.slot_stride
+    g[G_NSLOTS] = layout.mail_nslots
+    g[G_SLOT_BYTES] = layout.slot_bytes
+    return g
+
+
+@jit
+def fragments(geo, nbytes):  # type: ignore[no-untyped-def]
+    """How many fragments a message of ``nbytes`` travels in (at least one)."""
+    slot = geo[G_SLOT_BYTES]
+    return max(1, (nbytes + slot - 1) // slot)
+
+
+@jit
+def ring(ctrl, geo, rank):  # type: ignore[no-untyped-def]
+    """Ring ``rank``'s doorbell; wake it if it sleeps (seq_cst pairs with the sleeper's check)."""
+    word = geo[G_DOORBELL_BASE] + rank * WORDS_PER_LINE
+    fetch_add(ctrl, word + D_DOORBELL, 1)
+    if load_seqcst(ctrl, word + D_WAITERS) != 0:
+        futex_wake(ctrl, word + D_DOORBELL)
+
+
+@jit
+def doorbell(ctrl, geo):  # type: ignore[no-untyped-def]
+    """This rank's doorbell count (read it before looking for work, then sleep on it)."""
+    return load_acquire(ctrl, geo[G_DOORBELL_BASE] + geo[G_RANK] * WORDS_PER_LINE + D_DOORBELL)
+
+
+@jit(nogil=True)
+def sleep_on_doorbell(ctrl, geo, seen, timeout_ns):  # type: ignore[no-untyped-def]
+    """Sleep until this rank's doorbell moves past ``seen`` or ``timeout_ns`` passes."""
+    word = geo[G_DOORBELL_BASE] + geo[G_RANK] * WORDS_PER_LINE
+    fetch_add(ctrl, word + D_WAITERS, 1)
+    if load_seqcst(ctrl, word + D_DOORBELL) == seen:
+        futex_wait(ctrl, word + D_DOORBELL, seen, timeout_ns)
+    fetch_add(ctrl, word + D_WAITERS, -1)
+
+
+@jit
+def _mailbox_word(geo, src, dst):  # type: ignore[no-untyped-def]
+    return geo[G_MAIL_BASE] + (src * geo[G_WORLD] + dst) * CHANNEL_WORDS
+
+
+@jit
+def _slot_byte(geo, src, dst, index):  # type: ignore[no-untyped-def]
+    mailbox = src * geo[G_WORLD] + dst
+    return geo[G_SLOTS_BASE] + mailbox * geo[G_RING_BYTES] + (index % geo[G_NSLOTS]) * geo[G_STRIDE]
+
+
+@jit
+def push(ctrl, data, geo, dst, payload, sent, msg_id, tag, nbytes, dtype):  # type: ignore[no-untyped-def]
+    """Send fragments ``sent``.. of a message to ``dst`` while slots are free; returns how many
+    fragments are sent now. ``payload`` is the message as bytes; ``data`` the arena as bytes."""
+    me = geo[G_RANK]
+    cw = _mailbox_word(geo, me, dst)
+    head = ctrl[cw + C_HEAD]  # ours: no other process writes it
+    total = fragments(geo, nbytes)
+    slot = geo[G_SLOT_BYTES]
+    start = sent
+    while sent < total:
+        if head - load_acquire(ctrl, cw + C_TAIL) >= geo[G_NSLOTS]:
+            break
+        at = _slot_byte(geo, me, dst, head)
+        hdr = at // 8
+        ctrl[hdr + M_ID] = msg_id
+        ctrl[hdr + M_TAG] = tag
+        ctrl[hdr + M_NBYTES] = nbytes
+        ctrl[hdr + M_DTYPE] = dtype
+        lo = sent * slot
+        hi = min(nbytes, lo + slot)
+        if hi > lo:
+            copy(data, at + SLOT_HEADER_BYTES, data, 0, False, payload, lo, hi - lo)
+        head += 1
+        sent += 1
+        store_release(ctrl, cw + C_HEAD, head)
+    if sent != start:
+        ring(ctrl, geo, dst)
+    return sent
+
+
+@jit
+def peek(ctrl, geo, src, header):  # type: ignore[no-untyped-def]
+    """The header of the next fragment in mailbox ``src -> me`` into ``header`` (id, tag, nbytes,
+    dtype); returns False if the mailbox is empty."""
+    me = geo[G_RANK]
+    cw = _mailbox_word(geo, src, me)
+    tail = ctrl[cw + C_TAIL]  # ours
+    if load_acquire(ctrl, cw + C_HEAD) <= tail:
+        return False
+    hdr = _slot_byte(geo, src, me, tail) // 8
+    header[0] = ctrl[hdr + M_ID]
+    header[1] = ctrl[hdr + M_TAG]
+    header[2] = ctrl[hdr + M_NBYTES]
+    header[3] = ctrl[hdr + M_DTYPE]
+    return True
+
+
+@jit
+def pull(ctrl, data, geo, src, out, got, msg_id, nbytes):  # type: ignore[no-untyped-def]
+    """Copy the arrived fragments ``got``.. of message ``msg_id`` from ``src`` into ``out`` (bytes;
+    empty to drop them); returns how many fragments are in now, or -1 if the mailbox holds
+    another message than expected (a protocol error)."""
+    me = geo[G_RANK]
+    cw = _mailbox_word(geo, src, me)
+    tail = ctrl[cw + C_TAIL]  # ours
+    total = fragments(geo, nbytes)
+    slot = geo[G_SLOT_BYTES]
+    start = got
+    while got < total:
+        if load_acquire(ctrl, cw + C_HEAD) <= tail:
+            break
+        at = _slot_byte(geo, src, me, tail)
+        if ctrl[at // 8 + M_ID] != msg_id:
+            return -1
+        lo = got * slot
+        hi = min(nbytes, lo + slot)
+        if hi > lo and out.size > 0:
+            copy(out, lo, out, 0, False, data, at + SLOT_HEADER_BYTES, hi - lo)
+        tail += 1
+        got += 1
+        store_release(ctrl, cw + C_TAIL, tail)
+    if got != start:
+        ring(ctrl, geo, src)
+    return got
+
+
+def warm() -> None:
+    """Compile (or load from the cache) the mailbox functions."""
+    import numpy as np
+
+    words = np.zeros(64, np.int64)
+    geo = np.zeros(9, np.int64)
+    geo[G_WORLD] = 1
+    geo[G_NSLOTS] = 1
+    geo[G_SLOT_BYTES] = 64
+    data = np.zeros(0, np.uint8)
+    doorbell(words, geo)
+    sleep_on_doorbell(words, geo, 1, 0)
+    peek(words, geo, 0, np.zeros(4, np.int64))
+    pull(words, data, geo, 0, data, 1, 1, 0)
+    push(words, data, geo, 0, data, 1, 1, 0, 0, 0)

@@ -1,0 +1,218 @@
+"""Point-to-point: tags, wildcards, order, probes, sizes, self-sends, objects, fairness, failures;
+and buffers with the buffer protocol in collectives and messages."""
+
+from __future__ import annotations
+
+import array
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import shmcoll
+from shmcoll import ANY_SOURCE, ANY_TAG, PeerLostError, ShmcollError
+
+
+def _tags_and_order(comm):  # type: ignore[no-untyped-def]
+    r, _n = comm.rank, comm.world_size
+    if r == 0:
+        for k in range(20):  # interleave two tags; same-tag messages must stay in order
+            comm.send(np.array([k], np.int64), 1, tag=k % 2)
+        comm.send(np.arange(5, dtype=np.float32), 1, tag=9)
+        return None
+    if r == 1:
+        odd = [int(comm.recv(b := np.zeros(1, np.int64), 0, 1) and b[0]) for _ in range(10)]
+        even = [int(comm.recv(b := np.zeros(1, np.int64), 0, 0) and b[0]) for _ in range(10)]
+        big = np.zeros(8, np.float32)
+        st = comm.recv(big, ANY_SOURCE, ANY_TAG)
+        return odd, even, (st.source, st.tag, st.count, st.nbytes), big[:5].tolist()
+    return None
+
+
+def test_same_tag_messages_arrive_in_order_and_a_tag_can_pass_another(pools) -> None:  # type: ignore[no-untyped-def]
+    res = pools.get(3).run(_tags_and_order)[1]
+    assert res[0] == list(range(1, 20, 2)) and res[1] == list(range(0, 20, 2))
+    assert res[2] == (0, 9, 5, 20) and res[3] == [0, 1, 2, 3, 4]
+
+
+def _self_and_both_ways(comm):  # type: ignore[no-untyped-def]
+    r, n = comm.rank, comm.world_size
+    small = np.arange(3, dtype=np.int32)
+    comm.send(small, r, tag=1)  # to oneself, received later
+    big = np.full(3 << 18, float(r))  # 6 MiB: far more than the mailbox
+    comm.send(big, r, tag=2)  # to oneself, larger than the mailbox, blocking: still completes
+    comm.send(big, (r + 1) % n, tag=3)  # everyone sends a large message first, then receives
+    got = np.zeros_like(big)
+    comm.recv(got, (r - 1) % n, 3)
+    mine = np.zeros_like(big)
+    comm.recv(mine, r, 2)
+    back = np.zeros(3, np.int32)
+    st = comm.recv(back, r, 1)
+    return st.source == r, back.tolist(), float(got[0]), float(got[-1]), float(mine[7])
+
+
+def test_self_sends_and_large_sends_both_ways_complete(pools) -> None:  # type: ignore[no-untyped-def]
+    res = pools.get(3).run(_self_and_both_ways)
+    for r, (own, back, first, last, mine) in enumerate(res):
+        assert own and back == [0, 1, 2] and first == last == (r - 1) % 3 and mine == r
+
+
+def _sizes_and_dtypes(comm):  # type: ignore[no-untyped-def]
+    if comm.rank == 0:
+        comm.send(np.ones(10), 1, tag=4)
+        comm.send(np.ones(3, np.int16), 1, tag=5)
+        return None
+    with pytest.raises(ValueError, match="80 bytes, the buffer holds 40"):
+        comm.recv(np.zeros(5), 0, 4)
+    with pytest.raises(TypeError, match="sent int16"):
+        comm.recv(np.zeros(3), 0, 5)
+    room = np.zeros(16)
+    st = comm.recv(room, 0, 4)  # the messages stayed; a larger buffer is fine
+    small = np.zeros(3, np.int16)
+    comm.recv(small, 0, 5)
+    return st.count, room[:11].tolist(), small.tolist()
+
+
+def test_a_buffer_too_small_or_of_another_dtype_is_an_error_and_the_message_stays(pools) -> None:  # type: ignore[no-untyped-def]
+    assert pools.get(2).run(_sizes_and_dtypes)[1] == (10, [1.0] * 10 + [0.0], [1, 1, 1])
+
+
+def _probes(comm):  # type: ignore[no-untyped-def]
+    r = comm.rank
+    if r == 0:
+        comm.barrier()
+        comm.broadcast(np.ones(4), root=0)  # collective traffic is never seen by a probe
+        comm.send(np.arange(6, dtype=np.int64), 1, tag=8)
+        comm.send_object({"hello": [1, 2]}, 1, tag=3)
+        return None
+    comm.barrier()
+    assert comm.iprobe(0, 99) is None
+    st = comm.probe(0, 8, timeout=30)
+    again = comm.iprobe(ANY_SOURCE, ANY_TAG)  # probing does not take it
+    got = np.zeros(6, np.int64)
+    comm.recv(got, st.source, st.tag)
+    comm.broadcast(np.zeros(4), root=0)
+    obj = comm.recv_object(0, 3)
+    return (st.source, st.tag, st.count), again == st, got.tolist(), obj
+
+
+def test_probes_see_only_point_to_point_messages_and_do_not_take_them(pools) -> None:  # type: ignore[no-untyped-def]
+    res = pools.get(2).run(_probes)[1]
+    assert res == ((0, 8, 6), True, [0, 1, 2, 3, 4, 5], {"hello": [1, 2]})
+
+
+def _nonblocking_p2p(comm):  # type: ignore[no-untyped-def]
+    r, n = comm.rank, comm.world_size
+    recvs = [comm.irecv(np.zeros(4), ANY_SOURCE, 7) for _ in range(n - 1)]
+    time.sleep(0.2)  # posted before anything was sent
+    sends = [comm.isend(np.full(4, float(p)), p, 7) for p in range(n) if p != r]
+    i = shmcoll.wait_any(recvs)
+    statuses = shmcoll.wait_all(recvs)
+    shmcoll.wait_all(sends)
+    st = comm.sendrecv(np.full(2, float(r)), (r + 1) % n, got := np.zeros(2), (r - 1) % n)
+    return i in range(n - 1), sorted(s.source for s in statuses), st.source, float(got[0])
+
+
+def test_isend_irecv_wait_any_and_sendrecv(pools) -> None:  # type: ignore[no-untyped-def]
+    res = pools.get(3).run(_nonblocking_p2p)
+    for r, (any_ok, sources, src, value) in enumerate(res):
+        assert any_ok and sources == sorted(set(range(3)) - {r}) and src == (r - 1) % 3 and value == (r - 1) % 3
+
+
+def _fairness(comm):  # type: ignore[no-untyped-def]
+    r, n = comm.rank, comm.world_size
+    rounds = 30
+    if r != 0:
+        for k in range(rounds):
+            comm.send(np.array([r, k], np.int64), 0, tag=1)
+        return None
+    time.sleep(0.3)  # every sender has filled its mailbox (and more is queued behind)
+    order = []
+    for _ in range(rounds * (n - 1)):
+        b = np.zeros(2, np.int64)
+        comm.recv(b, ANY_SOURCE, 1)
+        order.append(int(b[0]))
+    # No sender is starved: in the first quarter of the receives every sender already appears.
+    return sorted(set(order[: len(order) // 4])), [order.count(s) for s in range(1, n)]
+
+
+def test_any_source_serves_every_sender(pools) -> None:  # type: ignore[no-untyped-def]
+    seen, counts = pools.get(4).run(_fairness)[0]
+    assert seen == [1, 2, 3] and counts == [30, 30, 30]
+
+
+def _never_matches(comm):  # type: ignore[no-untyped-def]
+    if comm.rank == 0:
+        comm.send(np.ones(2), 1, tag=5)
+        time.sleep(1.5)
+        return None
+    with pytest.raises(shmcoll.CollectiveTimeout) as info:
+        comm.recv(np.zeros(2), 0, tag=6, timeout=0.5)
+    return str(info.value)
+
+
+def test_a_receive_that_never_matches_times_out_naming_itself_and_what_arrived() -> None:
+    text = shmcoll.spawn(_never_matches, 2, timeout=60)[1]
+    assert "recv(src=0, tag=6) timed out after 0.5s" in text and "from rank 0 tag 5" in text, text
+
+
+def _peer_dies_during_recv(comm):  # type: ignore[no-untyped-def]
+    comm.barrier()
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(PeerLostError) as info:
+        comm.recv(np.zeros(2), 1, 0, timeout=30)
+    return info.value.dead_rank, time.monotonic() - t0
+
+
+def test_a_receive_from_a_dead_peer_raises_within_seconds(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(shmcoll.SpawnError) as info:
+        shmcoll.spawn(_peer_dies_during_recv, 2, timeout=60)
+    assert info.value.rank == 1
+
+
+def _buffers(comm):  # type: ignore[no-untyped-def]
+    r = comm.rank
+    ba = bytearray([r + 1] * 4)
+    res = comm.allreduce(ba, op="max")  # in place: the same bytearray comes back
+    arr = array.array("f", [float(r)] * 3)
+    out = array.array("f", [0.0] * 3)
+    res2 = comm.allreduce(arr, out=out)
+    mv = memoryview(np.full(5, r, np.int32))
+    gathered = comm.allgather(mv)
+    if r == 0:
+        comm.send(bytearray(b"hey"), 1, tag=2)
+    elif r == 1:
+        got = bytearray(3)
+        comm.recv(got, 0, 2)
+        assert bytes(got) == b"hey"
+    return res is ba, list(ba), res2 is out, list(out), gathered.tolist()
+
+
+def test_objects_with_the_buffer_protocol_work_in_place_and_zero_copy(pools) -> None:  # type: ignore[no-untyped-def]
+    res = pools.get(2).run(_buffers)
+    for same, ba, same2, out, gathered in res:
+        assert same and ba == [2] * 4 and same2 and out == [1.0] * 3 and gathered == [[0] * 5, [1] * 5]
+
+
+def _bad_p2p_arguments(comm):  # type: ignore[no-untyped-def]
+    for fn, exc in [
+        (lambda: comm.send(np.ones(2), 5), ValueError),
+        (lambda: comm.send(np.ones(2), 0, tag=-2), ValueError),
+        (lambda: comm.send(np.ones(2), 0, tag="a"), TypeError),
+        (lambda: comm.recv([1, 2], 0), TypeError),
+        (lambda: comm.isend(np.ones(4)[::2], 0), ValueError),
+        (lambda: comm.send_object(lambda: 1, 0), TypeError),
+    ]:
+        with pytest.raises(exc):
+            fn()
+    with pytest.raises(ShmcollError):
+        comm.probe(0, 1, timeout=0.2)  # nothing comes: a timeout (the communicator breaks)
+    return True
+
+
+def test_bad_point_to_point_arguments_fail_before_sending() -> None:
+    assert shmcoll.spawn(_bad_p2p_arguments, 1, timeout=60) == [True]
