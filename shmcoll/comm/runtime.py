@@ -294,15 +294,6 @@ class Runtime:
             write_word(self._state, engine.S_NESTED, 0)
 
     # --- the run loop -------------------------------------------------------------------------
-    def _run(self, b: Bound, timeout: float | None) -> Any:
-        """A blocking call: run it now, or, while started operations are pending, after them."""
-        progress = self._progress
-        if progress is not None and progress.pending:
-            if timeout is not None:
-                config.timeout_s(timeout)
-            return progress.submit(b, timeout, "a blocking call").wait()
-        return self._execute(b, timeout)
-
     def _start(self, b: Bound, timeout: float | None, what: str) -> Request:
         """A nonblocking call: queue it for the progress thread; returns its request."""
         if timeout is not None:
@@ -315,8 +306,19 @@ class Runtime:
             progress = self._progress = Queue(self)
         return progress.submit(b, timeout, what)
 
-    def _execute(self, b: Bound, timeout: float | None) -> Any:
-        """Run one bound call to its end (or raise); returns what the method returns."""
+    def _run(self, b: Bound, timeout: float | None, queued: bool = False) -> Any:
+        """Run one bound call to its end (or raise); returns what the method returns.
+
+        A blocking call made while started operations are pending joins their queue and runs
+        after them (``queued``: the queue runs it now). One method, not two: a Python frame
+        more costs about 30 ns of an 8-byte call that takes 1.7 us.
+        """
+        if not queued:
+            progress = self._progress
+            if progress is not None and progress.pending:
+                if timeout is not None:
+                    config.timeout_s(timeout)
+                return progress.submit(b, timeout, "a blocking call").wait()
         if type(b) is not tuple:  # a device call: its own path (comm.device)
             return b.run(timeout)  # type: ignore[attr-defined]
         if self._broken is not None:
