@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from shmcoll.comm import tensors
 from shmcoll.types import DTYPE_CODE, ReduceOp, supports, valid_ops
 
 _HINT = {True: "use np.ascontiguousarray", False: "use cupy.ascontiguousarray or .contiguous()"}
@@ -34,14 +35,17 @@ def address(a: Any) -> int:
 
 def not_array(name: str, value: object) -> TypeError:
     return TypeError(
-        f"{name} must be a numpy.ndarray (or an object with the buffer protocol, or a device array), "
-        f"got {type(value).__name__}"
+        f"{name} must be a numpy.ndarray (or a torch tensor, an object with the buffer protocol, "
+        f"or a device array), got {type(value).__name__}"
     )
 
 
-def as_host(value: Any) -> np.ndarray | None:
-    """A zero-copy numpy view of an object with the buffer protocol (``bytearray``,
-    ``memoryview``, ``array.array``, ``bytes`` read-only), or None if it has none."""
+def as_host(value: Any, name: str = "a buffer") -> np.ndarray | None:
+    """A zero-copy numpy view of a CPU torch tensor or of an object with the buffer protocol
+    (``bytearray``, ``memoryview``, ``array.array``, ``bytes`` read-only), or None if it is
+    neither."""
+    if tensors.is_tensor(value):
+        return tensors.as_array(value, name)
     try:
         view = memoryview(value)
     except TypeError:
@@ -53,7 +57,7 @@ def as_host(value: Any) -> np.ndarray | None:
 
 def not_host_array(name: str, value: object) -> np.ndarray:
     """``value`` as a numpy view when it is an array of another kind; TypeError otherwise."""
-    view = as_host(value)
+    view = as_host(value, name)
     if view is None:
         raise not_array(name, value)
     return view

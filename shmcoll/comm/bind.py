@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from shmcoll.collectives import Collective
-from shmcoll.comm import arrays, device, registered
+from shmcoll.comm import arrays, device, registered, tensors
 from shmcoll.comm.calls import Bound, Call
 from shmcoll.comm.runtime import Runtime
 
@@ -79,7 +79,8 @@ def _reroute(rt: Runtime, coll: Collective, x: Any, out: Any, algorithm: str, ro
     if registered.is_registered(probe) or registered.is_registered(out):
         plain_x, plain_out, algorithm, placement = registered.route(rt, coll, x, out, algorithm, root)
         return plain_x, plain_out, algorithm, placement, HOST
-    if device.is_device(probe):
+    if not (tensors.is_tensor(probe) and probe.is_cpu) and device.is_device(probe):
+        # (a CPU tensor answers the device probe with an exception: microseconds, so not asked)
         kind = device.DEVICE
         dx = kind.describe(x, "x")
         return dx, dx if out is x else kind.describe(out, "out"), algorithm, None, kind
@@ -94,12 +95,15 @@ def _reroute(rt: Runtime, coll: Collective, x: Any, out: Any, algorithm: str, ro
 
 
 def _returned(b: Any, given: tuple[Any, Any], bound_with: tuple[Any, Any]) -> Any:
-    # A call given a SharedArray (or a buffer) returns that object, not the view it ran on.
+    # A call given a SharedArray (or a buffer, or a tensor) returns that object, not the view it
+    # ran on; a result it allocates is a tensor if it was given tensors.
     if type(b) is not tuple:
         return b
     for mine, theirs in zip(bound_with, given, strict=True):
         if b[3] is mine and mine is not theirs and mine is not None:
             return (*b[:3], theirs, *b[4:])
+    if tensors.is_tensor(given[0]) or tensors.is_tensor(given[1]):
+        return (*b[:3], tensors.as_tensor(b[3]), *b[4:])
     return b
 
 

@@ -29,13 +29,15 @@ the operations queued behind the failed one fail too, with ``CommunicatorBrokenE
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 Runtime = Any  # comm.runtime.Runtime
 
+log = logging.getLogger("shmcoll")
 _PENDING, _RUNNING, _DONE = 0, 1, 2
 # Every completion on every communicator is announced here, for wait_any/wait_all over requests
 # of several communicators; a request's own waiters use its communicator's condition.
@@ -44,6 +46,7 @@ _GRACE_S = 0.00005
 _ACTIVE_S = 0.005
 _ANY_DONE = threading.Condition()
 _ANY_WAITERS = [0]  # threads in wait_any (completions notify _ANY_DONE only if there are some)
+_CALLBACKS = threading.Lock()  # guards Request._callbacks against a completion in another thread
 
 
 class Waiter(Protocol):
@@ -59,7 +62,7 @@ class Request:
     returns True): do not read an output or write an input before then.
     """
 
-    __slots__ = ("_queue", "_bound", "_timeout", "_state", "_result", "_error", "what", "_since")
+    __slots__ = ("_queue", "_bound", "_timeout", "_state", "_result", "_error", "what", "_since", "_callbacks")
 
     def __init__(self, queue: Waiter, bound: Any, timeout: float | None, what: str, since: float) -> None:
         self._queue = queue
@@ -70,6 +73,7 @@ class Request:
         self._result: Any = None
         self._error: BaseException | None = None
         self.what = what
+        self._callbacks: list[Callable[[Request], None]] | None = None
 
     def __repr__(self) -> str:
         state = ("pending", "running", "done")[self._state]
@@ -87,6 +91,19 @@ class Request:
         if self._error is not None:
             raise self._error
         return True
+
+    def _on_done(self, fn: Callable[[Request], None]) -> None:
+        """Call ``fn(self)`` once the operation has completed: at once if it has, else on the
+        thread that completes it (the progress thread, or a waiter that ran it), outside every
+        lock. For collective requests (the queue's); the torch backend completes its futures so.
+        """
+        with _CALLBACKS:
+            if self._state != _DONE:
+                if self._callbacks is None:
+                    self._callbacks = []
+                self._callbacks.append(fn)
+                return
+        fn(self)
 
     def wait(self, timeout: float | None = None) -> Any:
         """Wait until the operation completes; returns what the blocking call returns.
@@ -173,6 +190,14 @@ class Queue:
                 self._done.notify_all()
             if self._items and self._idle:
                 self._work.notify()
+        with _CALLBACKS:  # (after _DONE: a callback added from now on runs at once)
+            callbacks, req._callbacks = req._callbacks, None
+        if callbacks is not None:
+            for fn in callbacks:
+                try:
+                    fn(req)
+                except BaseException:  # noqa: BLE001  (a callback's failure is not the operation's)
+                    log.exception("a completion callback of %s failed", req.what)
         if _ANY_WAITERS[0]:
             with _ANY_DONE:
                 _ANY_DONE.notify_all()
