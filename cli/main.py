@@ -54,7 +54,7 @@ def main() -> None:
 @click.option("-b", "--min-bytes", type=SIZE, default="8", show_default=True, help="Smallest size (K/M/G suffixes).")
 @click.option("-e", "--max-bytes", type=SIZE, default="64M", show_default=True, help="Largest size.")
 @click.option("-f", "--step-factor", type=float, default=2.0, show_default=True, help="Multiply the size by this.")
-@click.option("--dtype", default="float32", show_default=True, help="numpy dtype name.")
+@click.option("--dtype", default="float32", show_default=True, help="numpy dtype name, or bfloat16.")
 @click.option(
     "--op", default="sum", show_default=True, help="Reduction op (sum, prod, min, max, avg, band, bor, bxor)."
 )

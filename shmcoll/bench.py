@@ -33,7 +33,19 @@ from shmcoll import collectives
 from shmcoll.algos import registry
 from shmcoll.algos.registry import Query
 from shmcoll.collectives import COLLECTIVES, InPlace
-from shmcoll.types import FOLD_UFUNC, ReduceOp, engine_types, identity, supports
+from shmcoll.kernels.cpu import narrow_bfloat16
+from shmcoll.types import (
+    BFLOAT16,
+    FLOAT16,
+    FLOAT32,
+    FOLD_UFUNC,
+    ReduceOp,
+    as_dtype,
+    dtype_str,
+    engine_types,
+    identity,
+    supports,
+)
 
 BENCH_COLLECTIVES = COLLECTIVES
 MIN_ITERATION_S = 20e-6
@@ -92,7 +104,7 @@ class Row:
 def sizes(cfg: BenchConfig, collective: str, world_size: int) -> list[int]:
     """The byte sizes of the sweep: min, min*f, ... up to max; rounded so every rank gets whole
     elements (blocked collectives need a multiple of world_size elements)."""
-    itemsize = np.dtype(cfg.dtype).itemsize
+    itemsize = as_dtype(cfg.dtype).itemsize
     unit = itemsize * (world_size if collectives.get(collective).blocked else 1)
     out: list[int] = []
     size = float(max(cfg.min_bytes, 1))
@@ -123,7 +135,7 @@ def algorithms_for(cfg: BenchConfig, collective: str, world_size: int, inplace: 
                     collective,
                     world_size,
                     1024,
-                    np.dtype(cfg.dtype).itemsize,
+                    as_dtype(cfg.dtype).itemsize,
                     root=cfg.root,
                     inplace=inplace,
                     registered=cfg.registered,
@@ -137,6 +149,16 @@ def algorithms_for(cfg: BenchConfig, collective: str, world_size: int, inplace: 
 
 
 # --- inputs and expected results ---------------------------------------------------------------
+def _as(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``values.astype(dtype)``, also for bfloat16 (rounded from float32 by shmcoll's kernel)."""
+    if dtype != BFLOAT16:
+        return values.astype(dtype)
+    wide = values.astype(FLOAT32)
+    out = np.empty(wide.size, np.uint16)
+    narrow_bfloat16(out, 0, wide.view(np.uint32), 0, wide.size)
+    return out.view(BFLOAT16)
+
+
 def _pattern(tag: int, count: int, dtype: np.dtype, op: ReduceOp) -> np.ndarray:
     i = np.arange(count, dtype=np.int64)
     if op == ReduceOp.PROD:
@@ -147,13 +169,13 @@ def _pattern(tag: int, count: int, dtype: np.dtype, op: ReduceOp) -> np.ndarray:
         v = (tag * 3 + i) % 7
     if dtype.kind == "b":
         return (v % 2).astype(bool)
-    return v.astype(dtype)
+    return _as(v, dtype)
 
 
 def _reduced(world_size: int, count: int, dtype: np.dtype, op: ReduceOp, lo: int, hi: int) -> np.ndarray:
     """Elements [lo, hi) of the reduction over ranks ``0 .. world_size - 1`` of the rank patterns."""
     ufunc = FOLD_UFUNC[op]
-    work = np.dtype(np.float32) if dtype == np.float16 else dtype
+    work = FLOAT32 if dtype in (FLOAT16, BFLOAT16) else dtype
     if world_size == 0:  # an exscan's rank 0: the op's identity
         return np.full(hi - lo, identity(op, dtype), dtype)
     acc = _pattern(0, count, work, op)[lo:hi]
@@ -164,7 +186,7 @@ def _reduced(world_size: int, count: int, dtype: np.dtype, op: ReduceOp, lo: int
             acc = acc // work.type(world_size)
         else:
             acc = (acc.astype(np.float64) / world_size).astype(work)
-    return acc.astype(dtype)
+    return _as(acc, dtype)
 
 
 class _Buffers:
@@ -278,7 +300,10 @@ class _Buffers:
             want = _pattern(self._tag(self.root, r if c.blocks_in else None), b, self.dtype, self.op)
         got = self.out.reshape(-1)
         if corrupt and got.size:
-            got[got.size // 2] = got[got.size // 2] + 1 if self.dtype.kind != "b" else not got[got.size // 2]
+            if self.dtype == BFLOAT16:  # (no arithmetic on it: flip its lowest bit)
+                got.view(np.uint16)[got.size // 2] ^= 1
+            else:
+                got[got.size // 2] = got[got.size // 2] + 1 if self.dtype.kind != "b" else not got[got.size // 2]
         return int(np.count_nonzero(got != want.reshape(-1)))
 
 
@@ -349,7 +374,7 @@ def _settle(comm: Any, seconds: float) -> None:
 
 def bench_rank(comm: Any, cfg: BenchConfig) -> list[Row]:
     """The whole sweep on this rank; rank 0 returns the rows (others an empty list)."""
-    dtype = np.dtype(cfg.dtype)
+    dtype = as_dtype(cfg.dtype)
     op = ReduceOp[cfg.op.upper()]
     n = comm.world_size
     rows: list[Row] = []
@@ -385,7 +410,7 @@ def bench_rank(comm: Any, cfg: BenchConfig) -> list[Row]:
                     n,
                     nbytes,
                     bufs.count,
-                    dtype.name,
+                    dtype_str(dtype),
                     cfg.op.lower() if collectives.get(collective).reducing else "none",
                     root,
                     mode,
@@ -458,7 +483,7 @@ def run(cfg: BenchConfig, *, timeout: float | None = None) -> list[Row]:
 
 def validate(cfg: BenchConfig) -> None:
     """Reject a configuration before starting any process."""
-    dtype = np.dtype(cfg.dtype)
+    dtype = as_dtype(cfg.dtype)
     try:
         op = ReduceOp[cfg.op.upper()]
     except KeyError:
@@ -467,7 +492,7 @@ def validate(cfg: BenchConfig) -> None:
         if c not in BENCH_COLLECTIVES:
             raise ValueError(f"unknown collective {c!r}; one of {', '.join(BENCH_COLLECTIVES)}")
         if collectives.get(c).reducing and not supports(op, dtype):
-            raise ValueError(f"op {op.name} is not defined for {dtype}")
+            raise ValueError(f"op {op.name} is not defined for {dtype_str(dtype)}")
         if collectives.get(c).prefix and op == ReduceOp.AVG:
             raise ValueError(f"op AVG has no prefix form ({c}); use sum")
         if not algorithms_for(cfg, c, cfg.nprocs):

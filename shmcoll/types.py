@@ -6,7 +6,13 @@ SUM divided by the world size once, by whichever rank finishes each element: tru
 floating dtypes, each component divided for complex ones (correctly rounded; numpy's division by
 a complex ``n + 0j`` can be 1 ulp off), numpy's floor division (``//``) of the wrapped sum for
 integers.
-Integers wrap around as numpy's do. float16 is reduced in float32 and rounded once at the end.
+Integers wrap around as numpy's do. float16 and bfloat16 are reduced in float32 and rounded once
+at the end (to nearest, ties to even).
+
+bfloat16 (:data:`BFLOAT16`) has no numpy dtype: its values are 2-byte patterns in a one-field
+structured dtype, which numpy moves but cannot compute with, so :func:`valid_ops`,
+:func:`identity` and :func:`dtype_str` know it by name, and the conversions to and from float32
+are kernels (``shmcoll.kernels.cpu``), not numpy casts.
 """
 
 from __future__ import annotations
@@ -43,7 +49,16 @@ FOLD_UFUNC: dict[ReduceOp, np.ufunc] = {
     ReduceOp.BXOR: np.bitwise_xor,
 }
 
-# The dtype table: code (used in call signatures) -> numpy dtype.
+FLOAT16 = np.dtype(np.float16)
+# bfloat16 has no numpy dtype; shmcoll marks its 2-byte values (torch.bfloat16 tensors, seen as
+# numpy arrays) with a one-field structured dtype, distinct from every numeric dtype.
+BFLOAT16 = np.dtype([("bfloat16", "<u2")])
+FLOAT32 = np.dtype(np.float32)
+UINT8 = np.dtype(np.uint8)
+BOOL = np.dtype(np.bool_)
+
+# The dtype table: code (used in call signatures, point-to-point headers) -> dtype. Codes never
+# change: a new dtype goes at the end.
 DTYPES: tuple[np.dtype, ...] = tuple(
     np.dtype(t)
     for t in (
@@ -61,6 +76,7 @@ DTYPES: tuple[np.dtype, ...] = tuple(
         np.float64,
         np.complex64,
         np.complex128,
+        BFLOAT16,
     )
 )
 DTYPE_CODE: dict[np.dtype, int] = {dt: code for code, dt in enumerate(DTYPES)}
@@ -72,6 +88,8 @@ _BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 
 def valid_ops(dtype: np.dtype) -> frozenset[ReduceOp]:
     """The reduction ops defined for ``dtype`` (empty for dtypes shmcoll cannot reduce)."""
+    if dtype == BFLOAT16:  # (a structured dtype to numpy: its kind says nothing)
+        return _ARITH
     kind = dtype.kind
     if kind == "b":
         return _ALL_OPS - {ReduceOp.AVG}
@@ -101,31 +119,51 @@ _BOOL_AS_UINT8 = {
     ReduceOp.BXOR: ReduceOp.BXOR,
 }
 
-FLOAT16 = np.dtype(np.float16)
-FLOAT32 = np.dtype(np.float32)
-UINT8 = np.dtype(np.uint8)
-BOOL = np.dtype(np.bool_)
-
 
 def engine_types(dtype: np.dtype, op: ReduceOp) -> tuple[np.dtype, ReduceOp]:
     """The dtype the engine reduces in and the op it applies, for a user's (dtype, op).
 
-    bool runs as uint8 with the logical op's bitwise twin; float16 runs in float32 (the caller
-    converts at the boundaries); every other dtype runs as itself.
+    bool runs as uint8 with the logical op's bitwise twin; float16 and bfloat16 run in float32
+    (the caller converts at the boundaries); every other dtype runs as itself.
     """
     if dtype == BOOL:
         return UINT8, _BOOL_AS_UINT8[op]
-    if dtype == FLOAT16:
+    if dtype in (FLOAT16, BFLOAT16):
         return FLOAT32, op
     return dtype, op
 
 
+def dtype_str(dtype: np.dtype) -> str:
+    """How messages name ``dtype``: ``bfloat16`` for :data:`BFLOAT16` (numpy would print its
+    structured form), numpy's own string otherwise (``float32``, ``>f4``)."""
+    return "bfloat16" if dtype == BFLOAT16 else str(dtype)
+
+
 def dtype_name(code: int) -> str:
-    return DTYPES[code].name if 0 <= code < len(DTYPES) else f"dtype#{code}"
+    """The name of the dtype with table code ``code`` (a signature's or a message header's)."""
+    return dtype_str(DTYPES[code]) if 0 <= code < len(DTYPES) else f"dtype#{code}"
+
+
+def as_dtype(spec: Any) -> np.dtype:
+    """A dtype from what a user may write for one: ``"bfloat16"`` is :data:`BFLOAT16`; anything
+    else goes through ``np.dtype``."""
+    return BFLOAT16 if isinstance(spec, str) and spec == "bfloat16" else np.dtype(spec)
+
+
+# bfloat16's identities as bits: 0, 1.0, +inf, -inf.
+_BFLOAT16_IDENTITY = {ReduceOp.SUM: 0x0000, ReduceOp.PROD: 0x3F80, ReduceOp.MIN: 0x7F80, ReduceOp.MAX: 0xFF80}
 
 
 def identity(op: ReduceOp, dtype: np.dtype) -> Any:
-    """The value ``v`` with ``v (op) x == x`` for every ``x`` of ``dtype`` (exscan's rank 0 result)."""
+    """The value ``v`` with ``v (op) x == x`` for every ``x`` of ``dtype`` (exscan's rank 0 result).
+
+    A scalar of ``dtype``, or for bfloat16 (no numpy scalar type) a 0-d array of it: assign it
+    with ``a[...] = v``.
+    """
+    if dtype == BFLOAT16:
+        if op not in _BFLOAT16_IDENTITY:
+            raise ValueError(f"{op.name} has no identity for bfloat16")
+        return np.array(_BFLOAT16_IDENTITY[op], np.uint16).view(BFLOAT16)
     if op in (ReduceOp.SUM, ReduceOp.BOR, ReduceOp.BXOR):
         return dtype.type(0)
     if op == ReduceOp.PROD:

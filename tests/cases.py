@@ -15,11 +15,12 @@ import hashlib
 import traceback
 from typing import Any
 
+import bf16ref
 import numpy as np
 
 from shmcoll import ReduceOp
 from shmcoll.algos import registry
-from shmcoll.types import DTYPES, FOLD_UFUNC, supports
+from shmcoll.types import BFLOAT16, DTYPES, FLOAT32, FOLD_UFUNC, as_dtype, dtype_str, supports
 
 SEED = 20261122
 REDUCING = ("reduce", "allreduce", "reduce_scatter", "reduce_scatterv", "scan", "exscan")
@@ -60,8 +61,8 @@ def make_case(**kw: Any) -> Case:
     In-place allgather/gather have no zero-copy form (x = out[rank] sits at another place on
     every rank), so zerocopy cases of those are out of place."""
     if kw["algorithm"] == "zerocopy":
-        if kw["kind"] in REDUCING and kw["dtype"] == "float16":
-            kw["algorithm"] = "direct"  # float16 reduces through scratch: no zero-copy form
+        if kw["kind"] in REDUCING and kw["dtype"] in ("float16", "bfloat16"):
+            kw["algorithm"] = "direct"  # they reduce through scratch: no zero-copy form
         else:
             kw["registered"] = True
             if kw["kind"] in ("allgather", "gather"):
@@ -75,6 +76,8 @@ def counts_for(world_size: int, slot_capacity: int) -> list[int]:
 
 
 def _values(rng: np.random.Generator, dtype: np.dtype, op: int, count: int, data: str) -> np.ndarray:
+    if dtype == BFLOAT16:  # float32's values, rounded (small integers exactly)
+        return bf16ref.from_float32(_values(rng, FLOAT32, op, count, data))
     if dtype.kind == "b":
         return rng.integers(0, 2, count).astype(bool)
     if data == "float":
@@ -119,7 +122,7 @@ def _displ(counts: list[int], j: int) -> slice:
 
 def inputs(case: Case, world_size: int) -> list[np.ndarray]:
     """Every rank's input (flat, as the collective sees it)."""
-    dtype = np.dtype(case.dtype)
+    dtype = as_dtype(case.dtype)
     n = world_size
     out = []
     for r in range(n):
@@ -138,6 +141,8 @@ def inputs(case: Case, world_size: int) -> list[np.ndarray]:
 
 def identity(op: int, dtype: np.dtype) -> np.ndarray:
     """exscan's rank 0 result: the op's identity (as the API documents it), one element."""
+    if dtype == BFLOAT16:
+        return bf16ref.from_float32(identity(op, FLOAT32))
     op = ReduceOp(op)
     if op in (ReduceOp.SUM, ReduceOp.BOR, ReduceOp.BXOR):
         return np.zeros(1, dtype)
@@ -154,13 +159,18 @@ def identity(op: int, dtype: np.dtype) -> np.ndarray:
 
 
 def reduce_ref(op: int, stacked: np.ndarray, world_size: int) -> np.ndarray:
-    """numpy's answer for a reduction over axis 0 (the ranks), with shmcoll's AVG and float16."""
+    """numpy's answer for a reduction over axis 0 (the ranks), with shmcoll's AVG, float16 and
+    bfloat16 (folded in float32 in rank order, rounded once)."""
     dtype = stacked.dtype
     if dtype == np.float16:
         return reduce_ref(op, stacked.astype(np.float32), world_size).astype(np.float16)
+    if dtype == BFLOAT16:
+        return bf16ref.from_float32(reduce_ref(op, bf16ref.to_float32(stacked), world_size))
     op = ReduceOp(op)
     if op == ReduceOp.AVG:
-        total = np.add.reduce(stacked, axis=0, dtype=dtype)
+        # The sum folded in rank order, as SUM's: np.add.reduce starts from +0.0, which turns
+        # a sum of -0.0s (IEEE: -0.0, and the engine's) into +0.0.
+        total = reduce_ref(ReduceOp.SUM, stacked, world_size)
         if dtype.kind in "iu":
             return np.floor_divide(total, dtype.type(world_size))
         if dtype.kind == "c":
@@ -336,8 +346,12 @@ def run_cases(comm: Any, cases: list[Case]) -> tuple[list[str], dict[int, str]]:
             got = np.asarray(got)
             assert got.dtype == want.dtype, f"dtype {got.dtype} != {want.dtype}"
             got_flat, want_flat = got.reshape(-1), want.reshape(-1)
+            if want.dtype == BFLOAT16:  # compared as values (NaN equal to NaN), in float32
+                got_flat, want_flat = bf16ref.to_float32(got_flat), bf16ref.to_float32(want_flat)
             if case.data == "float" and case.kind in REDUCING:
-                tol = {"float16": 1e-2, "float32": 1e-5, "complex64": 1e-5}.get(want.dtype.name, 1e-12)
+                tol = {"float16": 1e-2, "bfloat16": 1e-2, "float32": 1e-5, "complex64": 1e-5}.get(
+                    dtype_str(want.dtype), 1e-12
+                )
                 np.testing.assert_allclose(got_flat, want_flat, rtol=tol, atol=tol * 10 * comm.world_size)
             else:
                 np.testing.assert_array_equal(got_flat, want_flat)
@@ -387,7 +401,7 @@ def matrix(
                             add(
                                 kind=kind,
                                 algorithm=alg,
-                                dtype=dtype.name,
+                                dtype=dtype_str(dtype),
                                 op=int(op),
                                 root=root,
                                 count=count,
@@ -396,11 +410,11 @@ def matrix(
                                 shape2d=count % 2 == 0 and count > 0,
                             )
                     if kind in REDUCING and root == 0:
-                        if dtype.kind in "fc":
+                        if dtype.kind in "fc" or dtype == BFLOAT16:
                             add(
                                 kind=kind,
                                 algorithm=alg,
-                                dtype=dtype.name,
+                                dtype=dtype_str(dtype),
                                 op=int(ReduceOp.SUM),
                                 root=0,
                                 count=counts[-1],
@@ -412,7 +426,7 @@ def matrix(
                                     add(
                                         kind=kind,
                                         algorithm=alg,
-                                        dtype=dtype.name,
+                                        dtype=dtype_str(dtype),
                                         op=int(op),
                                         root=0,
                                         count=counts[-1],
@@ -432,7 +446,7 @@ def matrix(
                                 add(
                                     kind=kind,
                                     algorithm=alg,
-                                    dtype=dtype.name,
+                                    dtype=dtype_str(dtype),
                                     op=int(op),
                                     root=0,
                                     count=counts[-1],

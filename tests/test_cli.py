@@ -58,6 +58,15 @@ def test_bench_counts_wrong_results() -> None:
     assert rows and all(int(r.split()[-1]) == 1 for r in rows)
 
 
+def test_bench_bfloat16() -> None:
+    proc = _shmcoll("bench", *SMALL, "--dtype", "bfloat16", "--op", "avg", "-c", "allreduce,reduce_scatter,allgather")
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if not line.startswith("#")]
+    assert rows and all(r.split()[2] == "bfloat16" and int(r.split()[-1]) == 0 for r in rows)
+    proc = _shmcoll("bench", *SMALL, "--dtype", "bfloat16", "--inject-error", "--out-of-place", "-c", "allreduce")
+    assert proc.returncode == 1 and "FAILED" in proc.stdout
+
+
 def test_bench_every_collective_csv(tmp_path) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "rows.csv"
     proc = _shmcoll(

@@ -22,7 +22,7 @@ tune`` measures both kinds): zerocopy saves a copy on large calls but pays two o
 so it wins only from some size on.
 
 The call's **size** is the largest per-rank buffer as ``bench`` counts it (allgather's output,
-reduce_scatter's input), in the bytes that move (float16 reductions move float32).
+reduce_scatter's input), in the bytes that move (float16 and bfloat16 reductions move float32).
 
 The choice runs once per call shape (the communicator caches the plan) and depends only on the
 call, the environment and the tune file, never on the rank: every rank of a call chooses the

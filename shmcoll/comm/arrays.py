@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from shmcoll.comm import tensors
-from shmcoll.types import DTYPE_CODE, ReduceOp, supports, valid_ops
+from shmcoll.types import DTYPE_CODE, ReduceOp, dtype_str, supports, valid_ops
 
 _HINT = {True: "use np.ascontiguousarray", False: "use cupy.ascontiguousarray or .contiguous()"}
 
@@ -94,7 +94,7 @@ def check_out(out: Any, shape: tuple[int, ...], dtype: np.dtype) -> None:
     if tuple(out.shape) != shape:
         raise ValueError(f"out has shape {tuple(out.shape)}, expected {shape}")
     if out.dtype != dtype:
-        raise TypeError(f"out has dtype {out.dtype}, expected {dtype}")
+        raise TypeError(f"out has dtype {dtype_str(out.dtype)}, expected {dtype_str(dtype)}")
     contiguous, writeable = flags(out)
     if not contiguous:
         raise ValueError("out must be C-contiguous")
@@ -170,7 +170,7 @@ def check_root(root: Any, world_size: int) -> None:
 
 def check_dtype(dtype: np.dtype) -> None:
     if dtype not in DTYPE_CODE:
-        raise TypeError(f"unsupported dtype {dtype}; supported: {', '.join(d.name for d in DTYPE_CODE)}")
+        raise TypeError(f"unsupported dtype {dtype}; supported: {', '.join(map(dtype_str, DTYPE_CODE))}")
 
 
 def as_op(op: ReduceOp | int | str) -> ReduceOp:
@@ -191,7 +191,7 @@ def check_op(op: ReduceOp | int | str, dtype: np.dtype) -> ReduceOp:
     reduce_op = as_op(op)
     if not supports(reduce_op, dtype):
         valid = ", ".join(o.name for o in sorted(valid_ops(dtype)))
-        raise ValueError(f"op {reduce_op.name} is not defined for dtype {dtype} (valid: {valid})")
+        raise ValueError(f"op {reduce_op.name} is not defined for dtype {dtype_str(dtype)} (valid: {valid})")
     return reduce_op
 
 

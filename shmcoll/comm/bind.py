@@ -28,6 +28,7 @@ from shmcoll.collectives import Collective
 from shmcoll.comm import arrays, device, registered, tensors
 from shmcoll.comm.calls import Bound, Call
 from shmcoll.comm.runtime import Runtime
+from shmcoll.types import dtype_str
 
 
 class HostKind:
@@ -285,7 +286,7 @@ def _result(rt: Runtime, name: str, out: Any, count: int, dtype: np.dtype, why: 
         return arrays.new_output(name, (count,), dtype, rt._mem_total)
     arrays.check_written(out, "out")
     if out.dtype != dtype:
-        raise TypeError(f"{name}: out has dtype {out.dtype}, expected {dtype} (x's)")
+        raise TypeError(f"{name}: out has dtype {dtype_str(out.dtype)}, expected {dtype_str(dtype)} (x's)")
     arrays.check_size(out, "out", count, why)
     return out
 

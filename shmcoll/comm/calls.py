@@ -26,7 +26,7 @@ from shmcoll.engine import cpu as engine
 from shmcoll.plan import ir
 from shmcoll.plan.passes import plan_call
 from shmcoll.plan.verify import verify
-from shmcoll.types import BOOL, FLOAT16, ReduceOp, engine_types, identity
+from shmcoll.types import BFLOAT16, BOOL, FLOAT16, ReduceOp, engine_types, identity
 
 log = logging.getLogger("shmcoll")
 
@@ -48,10 +48,11 @@ class Call:
     ``fill`` is set where the plan leaves the result alone but the method defines it: an
     exscan's rank 0, whose result is the op's identity.
 
-    ``engine_dtype`` is what the engine moves and reduces (bool as uint8, float16 as float32 when
-    it reduces, else as uint16); ``widened`` marks a float16 reduction, which runs on float32
-    copies of the buffers; ``no_buffer`` is the empty array the engine gets where a rank has no
-    input or output.
+    ``engine_dtype`` is what the engine moves and reduces (bool as uint8, float16 and bfloat16 as
+    float32 when it reduces, else as uint16); ``widened`` marks a float16 or bfloat16 reduction,
+    which runs on float32 copies of the buffers, and ``bfloat16`` the latter, whose copies are
+    made by the conversion kernels (numpy cannot cast it); ``no_buffer`` is the empty array the
+    engine gets where a rank has no input or output.
     """
 
     __slots__ = (
@@ -67,6 +68,7 @@ class Call:
         "data",
         "tmp",
         "widened",
+        "bfloat16",
         "sig",
         "kind",
         "label",
@@ -95,6 +97,7 @@ class Call:
         state: np.ndarray,
         varying: bool = False,
         fill: Any = None,
+        bfloat16: bool = False,
     ) -> None:
         self.prog = prog
         self.prog_resume = ir.with_entry(prog, ir.ENTRY_RESUME)
@@ -108,6 +111,7 @@ class Call:
         self.data = data
         self.tmp = tmp
         self.widened = widened
+        self.bfloat16 = bfloat16
         self.sig = sig
         self.kind = kind
         self.label = label
@@ -125,9 +129,9 @@ Bound = tuple
 
 ``call`` is the call shape; ``inp``/``res`` the engine's arrays (1-d views in the engine dtype),
 or None for a call that makes them only once it holds the state (copies, or a zero-copy
-``placement``) from the caller's ``x`` and ``out``; ``out`` also receives a float16
-reduction's result, copied back from float32; ``result`` is what the method returns. A plain
-tuple because one is made per call: it costs a quarter of a slotted object.
+``placement``) from the caller's ``x`` and ``out``; ``out`` also receives a float16 or
+bfloat16 reduction's result, copied back from float32; ``result`` is what the method returns.
+A plain tuple because one is made per call: it costs a quarter of a slotted object.
 """
 
 
@@ -135,8 +139,12 @@ def engine_types_for(kind: str, dtype: np.dtype, op: ReduceOp) -> tuple[np.dtype
     """(engine dtype, engine op, widened) for a call of ``kind`` on ``dtype``."""
     if collectives.get(kind).reducing:
         engine_dtype, engine_op = engine_types(dtype, op)
-        return engine_dtype, engine_op, dtype == FLOAT16
-    return (_UINT8 if dtype == BOOL else (_UINT16 if dtype == FLOAT16 else dtype)), ReduceOp.SUM, False
+        return engine_dtype, engine_op, dtype in (FLOAT16, BFLOAT16)
+    if dtype == BOOL:
+        return _UINT8, ReduceOp.SUM, False
+    if dtype in (FLOAT16, BFLOAT16):  # moved as bits
+        return _UINT16, ReduceOp.SUM, False
+    return dtype, ReduceOp.SUM, False
 
 
 def prepare(
@@ -173,7 +181,7 @@ def prepare(
     blocks = rt.world_size if record.blocked and not record.varying else 1
     arrays.check_fits(kind, plan_count * blocks * dtype.itemsize, rt._mem_total)
     if widened:
-        inplace = False  # float16 reduces through float32 scratch, never the user's buffers
+        inplace = False  # float16 and bfloat16 reduce through float32 scratch, never the user's buffers
     query = Query(kind, rt.world_size, count, engine_dtype.itemsize, root=root, inplace=inplace, registered=registered)
     lay = rt._arena.layout
     options: dict[str, object] | None = None
@@ -241,4 +249,5 @@ def prepare(
         rt._state,
         varying=record.varying,
         fill=fill,
+        bfloat16=widened and dtype == BFLOAT16,
     )

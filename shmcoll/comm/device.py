@@ -31,7 +31,7 @@ import numpy as np
 from shmcoll.collectives import Collective
 from shmcoll.comm import arrays
 from shmcoll.errors import CollectiveMismatchError, UnsupportedError
-from shmcoll.types import ReduceOp
+from shmcoll.types import BFLOAT16, ReduceOp
 
 _ENGINES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _SETTINGS: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
@@ -53,6 +53,12 @@ def describe(a: Any, name: str) -> Any:
             f"got {type(a).__name__}"
         )
     return buf
+
+
+def _check_dtype(dtype: np.dtype) -> None:
+    arrays.check_dtype(dtype)
+    if dtype == BFLOAT16:  # the device kernels have no bfloat16 conversions
+        raise TypeError("bfloat16 device arrays are not supported: pass a host array, or convert to float32 first")
 
 
 def _engine(comm: Any) -> Any:
@@ -115,7 +121,7 @@ class DeviceKind:
         _: bool,
     ) -> DeviceShape:
         rt._check_usable()
-        arrays.check_dtype(dtype)
+        _check_dtype(dtype)
         if coll.rooted:
             arrays.check_root(root, rt.world_size)
         reduce_op = arrays.check_op(op, dtype) if coll.reducing else ReduceOp.SUM
@@ -227,7 +233,7 @@ def point_to_point(comm: Any, send: bool, buf: Any, peer: Any, tag: int, timeout
         arrays.check_read(b, name)
     else:
         arrays.check_written(b, name)
-    arrays.check_dtype(b.dtype)  # (comm.send and comm.recv check the peer and tag)
+    _check_dtype(b.dtype)  # (comm.send and comm.recv check the peer and tag)
     eng = _engine(comm)
     eng.wait_for_queued_work()
     if send:

@@ -42,7 +42,7 @@ from shmcoll.comm.requests import _ANY_DONE, _ANY_WAITERS, _DONE, Request
 from shmcoll.engine import mailbox
 from shmcoll.errors import CollectiveTimeout, PeerLostError
 from shmcoll.shm import layout
-from shmcoll.types import DTYPE_CODE, DTYPES
+from shmcoll.types import DTYPE_CODE, DTYPES, dtype_name, dtype_str
 
 ANY_SOURCE = -1
 ANY_TAG = -1
@@ -290,19 +290,19 @@ class PointToPoint:
             self._complete(
                 r.req,
                 error=TypeError(
-                    f"rank {self._rt.rank}: {r.req.what}: rank {m.src} sent an array of {DTYPES[m.dtype].name} "
+                    f"rank {self._rt.rank}: {r.req.what}: rank {m.src} sent an array of {dtype_name(m.dtype)} "
                     f"(tag {m.tag}), not an object (send_object); the message stays, to be received with recv"
                 ),
             )
             return False
         assert r.out is not None and r.dtype is not None
         if m.dtype != DTYPE_CODE.get(r.dtype, -1):
-            sent = "bytes of an object" if m.dtype == _OBJECT_DTYPE else DTYPES[m.dtype].name
+            sent = "bytes of an object" if m.dtype == _OBJECT_DTYPE else dtype_name(m.dtype)
             self._complete(
                 r.req,
                 error=TypeError(
                     f"rank {self._rt.rank}: {r.req.what}: rank {m.src} sent {sent} (tag {m.tag}), the buffer is "
-                    f"{r.dtype}; the message stays, to be received into a buffer of its dtype"
+                    f"{dtype_str(r.dtype)}; the message stays, to be received into a buffer of its dtype"
                 ),
             )
             return False

@@ -25,7 +25,7 @@ from shmcoll.engine import cpu as engine
 from shmcoll.errors import ShmcollError, UnsupportedError
 from shmcoll.shm.registered import Allocation, SharedArray, region_bytes
 from shmcoll.shm.segment import Segment, segment_name
-from shmcoll.types import DTYPE_CODE, FLOAT16
+from shmcoll.types import BFLOAT16, DTYPE_CODE, FLOAT16, dtype_str
 
 _ALLOCATIONS = itertools.count()  # segment names of alloc() calls, unique in this process
 _MAX_CHOICES = 512  # auto decisions kept per communicator
@@ -128,8 +128,8 @@ def _placement(rt: Runtime, coll: Collective, x: Any, out: Any) -> Placement | s
         return f"{coll.name} has no zero-copy form"
     if not isinstance(x, SharedArray) or x._allocation not in rt._allocations:
         return "this rank's buffer is not from comm.alloc on this communicator"
-    if coll.reducing and x.dtype == FLOAT16:
-        return "float16 reduces through float32 scratch, which peers cannot read"
+    if coll.reducing and x.dtype in (FLOAT16, BFLOAT16):
+        return f"{dtype_str(x.dtype)} reduces through float32 scratch, which peers cannot read"
     a_in = x._allocation
     shift_in = a_in.placement(x, rt.rank) if a_in is not None else None
     if shift_in is None or not x.flags.c_contiguous:
@@ -158,7 +158,7 @@ def alloc(comm: Any, shape: int | Sequence[int], dtype: Any, timeout: float | No
     if any(d < 0 for d in dims):
         raise ValueError(f"alloc: negative dimension in shape {dims}")
     if dt not in DTYPE_CODE:
-        raise TypeError(f"alloc: unsupported dtype {dt}")
+        raise TypeError(f"alloc: unsupported dtype {dtype_str(dt)}")
     nbytes = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
     rb = region_bytes(nbytes)
     n = comm.world_size
@@ -167,7 +167,7 @@ def alloc(comm: Any, shape: int | Sequence[int], dtype: Any, timeout: float | No
     error: Exception | None = None
     segment = None
     with comm._nested("alloc", timeout):
-        asked = comm.allgather_object((dims, dt.str), timeout=timeout)
+        asked = comm.allgather_object((dims, dtype_str(dt)), timeout=timeout)
         if any(a != asked[comm.rank] for a in asked):
             error = ValueError(f"alloc must get the same shape and dtype on every rank; got {asked}")
         else:

@@ -10,9 +10,10 @@ communicator and raises the arena's abort word, so the other ranks stop within m
 Who may call: one call at a time. The engine claims the state when a call starts, so an
 overlapping call from another thread (or a signal handler) gets ``BUSY`` before it touches
 anything and raises :class:`~shmcoll.ConcurrentCallError`; a call that must write shared
-scratch or state before it runs (a float16 reduction, a read-only input, a zero-copy call)
-claims first (:meth:`Runtime._claim`). Calls made of several (object collectives, ``alloc``,
-``split``) hold the communicator for their whole length (:meth:`Runtime._nested`).
+scratch or state before it runs (a float16 or bfloat16 reduction, a read-only input, a
+zero-copy call) claims first (:meth:`Runtime._claim`). Calls made of several (object
+collectives, ``alloc``, ``split``) hold the communicator for their whole length
+(:meth:`Runtime._nested`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from shmcoll.comm.calls import Bound, Call
 from shmcoll.comm.requests import Queue, Request
 from shmcoll.engine import cpu as engine
 from shmcoll.errors import CommunicatorBrokenError, ConcurrentCallError, ForkedCommunicatorError, ShmcollError
+from shmcoll.kernels.cpu import narrow_bfloat16, widen_bfloat16
 from shmcoll.shm import layout
 from shmcoll.shm.arena import Arena, ArenaHandle
 from shmcoll.shm.atomics import atomic_cas, write_word
@@ -179,8 +181,9 @@ class Runtime:
     ) -> Bound:
         """The engine's arrays for one call: 1-d views of ``x`` and ``out`` in the engine dtype.
 
-        Calls whose buffers need copies (float16 reductions, read-only inputs) or a placement
-        (zero-copy) get theirs in :meth:`_special_buffers`, once the call holds the state.
+        Calls whose buffers need copies (float16 and bfloat16 reductions, read-only inputs) or a
+        placement (zero-copy) get theirs in :meth:`_special_buffers`, once the call holds the
+        state.
         """
         if call.special or not x_writeable:
             return (call, None, None, result, out, placement, x)
@@ -210,7 +213,11 @@ class Runtime:
         engine_dtype = call.engine_dtype
         if call.widened:
             inp = self._scratch_array("f16in", FLOAT32, x.size)[: x.size]  # type: ignore[union-attr]
-            np.copyto(inp, x.reshape(-1))  # type: ignore[union-attr]
+            if call.bfloat16:
+                bits = x.reshape(-1).view(np.uint16)  # type: ignore[union-attr]
+                widen_bfloat16(inp.view(np.uint32), 0, bits, 0, bits.size)
+            else:
+                np.copyto(inp, x.reshape(-1))  # type: ignore[union-attr]
             res = self._scratch_array("f16out", FLOAT32, out.size)[: out.size] if out is not None else call.no_buffer
             return inp, res
         flat = (x if x.ndim == 1 else x.reshape(-1)).view(engine_dtype)  # type: ignore[union-attr]
@@ -352,10 +359,14 @@ class Runtime:
         if call.finish:
             if call.registered:
                 self._state[engine.S_PLACE] = 0
-            elif call.widened and out is not None:  # a float16 reduction: its float32 result back
-                np.copyto(out.reshape(-1), res)
+            elif call.widened and out is not None:  # a float16 or bfloat16 reduction: its float32 result back
+                if call.bfloat16:
+                    narrow_bfloat16(out.reshape(-1).view(np.uint16), 0, res.view(np.uint32), 0, res.size)
+                else:
+                    np.copyto(out.reshape(-1), res)
             if call.fill is not None:
-                out.reshape(-1).fill(call.fill)  # type: ignore[union-attr]
+                # (an assignment, not fill(): bfloat16's identity is a 0-d array, not a scalar)
+                out.reshape(-1)[...] = call.fill  # type: ignore[union-attr]
         return result
 
     def _wait_or_raise(self, st: int, call: Call, inp: np.ndarray, res: np.ndarray, limit: float) -> None:

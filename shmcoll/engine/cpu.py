@@ -40,9 +40,9 @@ in a different call is reported as ``MISMATCH`` with its tag, instead of mixing 
   interleaved with anyone else's);
 - ``ENTRY_NESTED`` is a start made by the thread that holds ``S_NESTED``;
 - ``ENTRY_CLAIMED`` is a start whose caller claimed the state already, with :func:`claim`: a
-  call that must write shared scratch or state before it runs (a float16 reduction's float32
-  copies, a read-only input's copy, a zero-copy call's placement) claims first, so that an
-  overlapping call can never write into another's buffers;
+  call that must write shared scratch or state before it runs (a float16 or bfloat16
+  reduction's float32 copies, a read-only input's copy, a zero-copy call's placement) claims
+  first, so that an overlapping call can never write into another's buffers;
 - ``ENTRY_RESUME`` continues the claimed call. Only the thread that started a call holds the
   resume copy of its program, so no other thread can continue it.
 
@@ -56,7 +56,7 @@ from __future__ import annotations
 from numba import carray
 
 from shmcoll.jit import jit
-from shmcoll.kernels.cpu import combine, copy
+from shmcoll.kernels.cpu import combine, copy, narrow_bfloat16, widen_bfloat16
 from shmcoll.plan.ir import (
     C_A_BUF,
     C_A_OFF,
@@ -491,7 +491,9 @@ def new_state(layout, rank: int, *, spin_ns: int, yields: int, sleep_ns: int, sl
 
 
 def warm(dtypes) -> None:  # type: ignore[no-untyped-def]
-    """Compile (or load from the cache) the engine for each engine dtype, before ranks start."""
+    """Compile (or load from the cache) the engine for each engine dtype, before ranks start,
+    and the bfloat16 conversions that a bfloat16 reduction runs around it (a read-only input
+    is its own signature)."""
     from numba import types
     from numba.np.numpy_support import from_dtype
 
@@ -499,3 +501,7 @@ def warm(dtypes) -> None:  # type: ignore[no-untyped-def]
     for dt in dtypes:
         arr = types.Array(from_dtype(dt), 1, "C")
         execute.compile((words, arr, arr))
+    u16, u32, i64 = types.Array(types.uint16, 1, "C"), types.Array(types.uint32, 1, "C"), types.int64
+    for src in (u16, u16.copy(readonly=True)):
+        widen_bfloat16.compile((u32, i64, src, i64, i64))
+    narrow_bfloat16.compile((u16, i64, u32, i64, i64))

@@ -62,7 +62,7 @@ from shmcoll import collectives
 from shmcoll.collectives import KIND_CODE, PLAN_KINDS
 from shmcoll.engine.cuda_memory import CudaIpcBackend, DeviceBuffer, HostShmBackend
 from shmcoll.kernels import cuda as kernels
-from shmcoll.types import DTYPE_CODE, DTYPES, FLOAT16, ReduceOp, engine_types
+from shmcoll.types import DTYPE_CODE, FLOAT16, ReduceOp, dtype_name, engine_types
 
 log = logging.getLogger("shmcoll")
 
@@ -437,7 +437,7 @@ def _describe_row(row: np.ndarray) -> str:
     if int(row[F_MAGIC]) != _MAGIC:
         return "not a device collective"
     kind = PLAN_KINDS[int(row[F_KIND])] if 0 <= row[F_KIND] < len(PLAN_KINDS) else "?"
-    dtype = DTYPES[int(row[F_DTYPE])].name if 0 <= row[F_DTYPE] < len(DTYPES) else "?"
+    dtype = dtype_name(int(row[F_DTYPE]))
     parts = [f"{kind} {dtype} count={int(row[F_COUNT])}"]
     if row[F_OP] >= 0:
         parts.append(ReduceOp(int(row[F_OP])).name)

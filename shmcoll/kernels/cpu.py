@@ -12,6 +12,11 @@ at large sizes). The ``dual`` test is loop-invariant; LLVM unswitches it out of 
 
 Reductions are serial and never use fastmath: fastmath would let LLVM reassociate and drop
 NaN semantics, and results must be bitwise identical on every rank.
+
+bfloat16 reductions run on float32 copies (numpy has no bfloat16 to cast with):
+:func:`widen_bfloat16` and :func:`narrow_bfloat16` convert at the call's boundaries, on integer
+views of both buffers (uint16 for bfloat16, uint32 for float32), so that the rounding is exactly
+the one written here and never a compiler's or a platform's.
 """
 
 from __future__ import annotations
@@ -158,3 +163,35 @@ def combine(dst, doff, dst2, d2off, dual, x, xoff, y, yoff, count, op, divisor):
         else:
             for i in range(count):
                 d[i] = bit_xor(a[i], b[i])
+
+
+@jit
+def widen_bfloat16(dst, doff, src, soff, count):  # type: ignore[no-untyped-def]
+    """bfloat16 to float32, exact: ``dst`` (float32 as uint32) gets each ``src`` (uint16) value's
+    16 bits as its upper half, NaN payloads included."""
+    d = dst[doff : doff + count]
+    s = src[soff : soff + count]
+    for i in range(count):
+        d[i] = s[i] << 16
+
+
+@jit
+def narrow_bfloat16(dst, doff, src, soff, count):  # type: ignore[no-untyped-def]
+    """float32 to bfloat16, rounded to nearest, ties to even: ``dst`` (uint16) gets the upper
+    half of each ``src`` (float32 as uint32) value after rounding.
+
+    Adding ``0x7FFF`` plus the kept part's lowest bit carries into the upper half exactly when
+    the dropped half is above one half, or is one half and the kept part is odd. The carry runs
+    on through the exponent as it should: the largest values round to infinity, subnormals to
+    the smallest normal or to zero (with their sign), and an infinity (dropped half zero) stays
+    one. A NaN would carry into infinity, so it keeps its upper half, made quiet (bit 0x40): a
+    NaN whose payload is all in the dropped half stays a NaN.
+    """
+    d = dst[doff : doff + count]
+    s = src[soff : soff + count]
+    for i in range(count):
+        bits = s[i]
+        if bits & 0x7FFFFFFF > 0x7F800000:
+            d[i] = (bits >> 16) | 0x40
+        else:
+            d[i] = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16

@@ -32,14 +32,16 @@ def test_every_kernel_compiles_to_ptx(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(dispatcher, "get_current_device", lambda: _SM80())
     from shmcoll.kernels import cuda as kernels
-    from shmcoll.types import DTYPES, FLOAT16, ReduceOp, engine_types, supports
+    from shmcoll.types import BFLOAT16, DTYPES, FLOAT16, ReduceOp, engine_types, supports
+
+    kernel_dtypes = [dt for dt in DTYPES if dt != BFLOAT16]  # device arrays of bfloat16 are refused
 
     try:
         cuda.compile_ptx(lambda a: None, (types.float32[::1],), cc=(8, 0))
     except Exception as exc:  # noqa: BLE001
         pytest.skip(f"NVVM is not usable here: {type(exc).__name__}: {str(exc)[:200]}")
     compiled = 0
-    for dtype in DTYPES:
+    for dtype in kernel_dtypes:
         for op in ReduceOp:
             if not supports(op, dtype):
                 continue
@@ -55,4 +57,4 @@ def test_every_kernel_compiles_to_ptx(monkeypatch: pytest.MonkeyPatch) -> None:
                 ptx, _ = cuda.compile_ptx(kernels.kernel(eop, half).py_func, sig, cc=(8, 0))
                 assert ".entry" in ptx
             compiled += 1
-    assert compiled == sum(supports(op, dt) for dt in DTYPES for op in ReduceOp)
+    assert compiled == sum(supports(op, dt) for dt in kernel_dtypes for op in ReduceOp)

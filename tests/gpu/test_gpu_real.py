@@ -35,9 +35,11 @@ def checks() -> Any:
 
 
 def test_kernels_match_numpy(checks: Any) -> None:
-    from shmcoll.types import DTYPES
+    from shmcoll.types import BFLOAT16, DTYPES
 
     for dtype in DTYPES:
+        if dtype == BFLOAT16:  # device arrays of bfloat16 are refused
+            continue
         # An odd count: full tiles, a partial tile, and several grid sweeps at the default launch.
         checks.check_kernels_for(dtype, 300_007, (1, 2, 3, 4, 5, 9))
 

@@ -22,6 +22,7 @@ import shmcoll
 from shmcoll import ReduceOp, device
 from shmcoll.comm import device as device_path
 from shmcoll.engine import cuda as engine
+from shmcoll.types import BFLOAT16
 
 # (path, oneshot_bytes, which cases). IPC runs the whole matrix with every allreduce above 16
 # bytes reduce-scattering then allgathering, and the allreduce cases again all one-shot. Staging
@@ -157,6 +158,28 @@ def test_argument_errors_match_numpy(pools) -> None:  # type: ignore[no-untyped-
     results = pools.get(2).run(_errors, timeout=120)
     problems = [p for rank in results for p in rank]
     assert not problems, "\n".join(problems)
+
+
+def _bfloat16_refused(comm: Any) -> list[str]:
+    """Device arrays of bfloat16 are refused (no device kernel converts them), before any
+    communication; the numpy path takes them."""
+    x = cuda.to_device(np.zeros(4, np.uint16).view(BFLOAT16))
+    messages = []
+    for call in (
+        lambda: comm.allreduce(x),
+        lambda: comm.broadcast(x),
+        lambda: comm.allgather(x),
+        lambda: comm.send(x, dst=comm.rank),
+    ):
+        with pytest.raises(TypeError, match="bfloat16 device arrays are not supported") as info:
+            call()
+        messages.append(str(info.value))
+    assert comm.allreduce(np.zeros(4, np.uint16).view(BFLOAT16)).dtype == BFLOAT16
+    return messages
+
+
+def test_bfloat16_device_arrays_are_refused(pools) -> None:  # type: ignore[no-untyped-def]
+    assert all(len(m) == 4 for m in pools.get(2).run(_bfloat16_refused, timeout=120))
 
 
 def _p2p(comm: Any) -> list[float]:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import shmcoll
 from shmcoll import ReduceOp
 from shmcoll.algos import registry
-from shmcoll.types import DTYPES, supports
+from shmcoll.types import DTYPES, dtype_str, supports
 
 WORLD_SIZES = (1, 2, 3, 4, 5)
 
@@ -29,7 +29,7 @@ def cases(draw):  # type: ignore[no-untyped-def]
     case = make_case(
         kind=kind,
         algorithm=algorithm,
-        dtype=dtype.name,
+        dtype=dtype_str(dtype),
         op=int(draw(st.sampled_from(ops))),
         root=draw(st.integers(0, world_size - 1)) if kind in ROOTED else 0,
         count=draw(st.one_of(st.integers(0, 40), st.integers(41, 700))),

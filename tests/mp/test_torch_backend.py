@@ -95,7 +95,7 @@ def _api_tensors(comm: Any) -> list[Any]:
     got.append(("inplace returns the tensor", y is x, x.tolist()))
     z = comm.allgather(torch.tensor([r, 10 * r], dtype=torch.int32))
     got.append(("allgather new result", type(z).__name__, z.dtype == torch.int32, z.tolist()))
-    o = torch.empty(3, dtype=torch.float64)
+    o = torch.empty(3, dtype=torch.float32)
     res = comm.iallreduce(torch.full((3,), float(r)), op="max", out=o).wait()
     got.append(("iallreduce out", res is o, o.tolist()))
     g = torch.ones(2, requires_grad=True)

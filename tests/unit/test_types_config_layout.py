@@ -6,8 +6,21 @@ import numpy as np
 import pytest
 
 from shmcoll import config, units
+from shmcoll.plan import ir
 from shmcoll.shm import layout
-from shmcoll.types import DTYPES, ReduceOp, engine_types, supports, valid_ops
+from shmcoll.types import (
+    BFLOAT16,
+    DTYPE_CODE,
+    DTYPES,
+    ReduceOp,
+    as_dtype,
+    dtype_name,
+    dtype_str,
+    engine_types,
+    identity,
+    supports,
+    valid_ops,
+)
 
 
 def test_supports_table() -> None:
@@ -29,6 +42,36 @@ def test_engine_types() -> None:
     assert engine_types(np.dtype(np.bool_), ReduceOp.MIN) == (np.dtype(np.uint8), ReduceOp.BAND)
     assert engine_types(np.dtype(np.float16), ReduceOp.AVG) == (np.dtype(np.float32), ReduceOp.AVG)
     assert engine_types(np.dtype(np.int8), ReduceOp.PROD) == (np.dtype(np.int8), ReduceOp.PROD)
+
+
+def test_bfloat16_in_the_dtype_table() -> None:
+    # Codes are in call signatures and point-to-point headers: the old ones never move.
+    old = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64"]
+    old += ["float16", "float32", "float64", "complex64", "complex128"]
+    assert [dt.name for dt in DTYPES[: len(old)]] == old
+    assert DTYPES[-1] == BFLOAT16 and DTYPE_CODE[BFLOAT16] == len(old)
+    assert len(DTYPES) < 31  # the signature's 5-bit dtype field, 31 meaning "not in the table"
+    assert ir.unpack_sig(ir.pack_sig("allreduce", 0, BFLOAT16, 0, 0, 5))["dtype"] == DTYPE_CODE[BFLOAT16]
+    assert "bfloat16" in ir.describe_sig(ir.pack_sig("allreduce", 0, BFLOAT16, int(ReduceOp.MAX), 0, 5))
+    # A marker, equal to no numeric dtype: float16 and uint16 arrays stay what they are.
+    assert BFLOAT16 not in (np.dtype(np.uint16), np.dtype(np.float16), np.dtype("V2"))
+    assert not supports(ReduceOp.SUM, np.dtype("V2"))
+
+
+def test_bfloat16_ops_names_and_identities() -> None:
+    assert valid_ops(BFLOAT16) == valid_ops(np.dtype(np.float32))
+    assert supports(ReduceOp.AVG, BFLOAT16) and not supports(ReduceOp.BAND, BFLOAT16)
+    for op in valid_ops(BFLOAT16):
+        assert engine_types(BFLOAT16, op) == (np.dtype(np.float32), op)
+    assert dtype_str(BFLOAT16) == dtype_name(DTYPE_CODE[BFLOAT16]) == "bfloat16"
+    assert dtype_str(np.dtype(np.float32)) == "float32" and dtype_str(np.dtype(">f4")) == ">f4"
+    assert dtype_name(30) == "dtype#30"
+    assert as_dtype("bfloat16") == BFLOAT16 and as_dtype("float16") == np.dtype(np.float16)
+    bits = {op: int(identity(op, BFLOAT16).view(np.uint16)) for op in (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN)}
+    assert bits == {ReduceOp.SUM: 0, ReduceOp.PROD: 0x3F80, ReduceOp.MIN: 0x7F80}  # 0, 1.0, +inf
+    out = np.zeros(3, np.uint16).view(BFLOAT16)
+    out[...] = identity(ReduceOp.MAX, BFLOAT16)  # how the runtime writes it
+    assert out.view(np.uint16).tolist() == [0xFF80] * 3  # -inf
 
 
 def test_parse_size() -> None:
