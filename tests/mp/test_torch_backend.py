@@ -34,13 +34,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_main(fn: Any, rank: int, n: int, port: int, args: tuple, results: Any) -> None:
+def _rank_main(fn: Any, rank: int, n: int, port: int, args: tuple, results: Any, backend: str) -> None:
     try:
         import shmcoll.torch  # noqa: F401
 
         torch.set_num_threads(1)
         dist.init_process_group(
-            "shmcoll", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n, timeout=_TIMEOUT
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n, timeout=_TIMEOUT
         )
         try:
             out = fn(rank, n, *args)
@@ -52,13 +52,22 @@ def _rank_main(fn: Any, rank: int, n: int, port: int, args: tuple, results: Any)
         results.put((rank, "error", traceback.format_exc()))
 
 
-def launch(fn: Any, n: int, *args: Any, deadline: float = 120.0, expect_dead: tuple[int, ...] = ()) -> dict[int, Any]:
+def launch(
+    fn: Any,
+    n: int,
+    *args: Any,
+    deadline: float = 120.0,
+    expect_dead: tuple[int, ...] = (),
+    backend: str = "shmcoll",
+) -> dict[int, Any]:
     """Run ``fn(rank, n, *args)`` on ``n`` fresh ranks in a shmcoll process group; returns each
     rank's result. Any rank's error fails at once (the others killed); so does the deadline."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, n, port, args, results), daemon=True) for r in range(n)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(fn, r, n, port, args, results, backend), daemon=True) for r in range(n)
+    ]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
@@ -376,3 +385,35 @@ def test_mismatched_calls_raise_on_every_rank() -> None:
 
 def test_bfloat16_marker_is_not_a_numeric_dtype() -> None:
     assert np.dtype(np.uint16) != BFLOAT16 and BFLOAT16.itemsize == 2
+
+
+def _mixed(rank: int, n: int) -> list[Any]:
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t)
+    return [dist.get_backend(), type(dist.distributed_c10d._get_default_group()).__name__, t.tolist()]
+
+
+def test_device_mapped_backend_string() -> None:
+    """``cpu:shmcoll,cuda:...``: CPU tensors go through shmcoll (torch gives a Python backend's
+    group the whole device map; CUDA tensors would take shmcoll's device path)."""
+    got = launch(_mixed, 2, deadline=60, backend="cpu:shmcoll,cuda:gloo")
+    assert got == {r: ["cpu:shmcoll,cuda:gloo", "ProcessGroupShmcoll", [3.0] * 3] for r in range(2)}
+
+
+def test_ddp_demo_under_torchrun() -> None:
+    """The demo, unchanged but for the backend name, under torchrun (its environment rendezvous)."""
+    import shutil
+    import subprocess
+    import sys
+
+    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    demo = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "torch_ddp.py")
+    proc = subprocess.run(
+        [torchrun, "--nproc-per-node", "2", "--master-port", str(_free_port()), demo, "--backend", "shmcoll"]
+        + ["--steps", "6", "--local-steps", "2", "--warmup", "2"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "shmcoll" in proc.stdout and "True" in proc.stdout, proc.stdout
