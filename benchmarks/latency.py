@@ -8,7 +8,8 @@ spread (min-max) beside it. Launches matter on 2 cores: where the kernel places 
 changes per launch, and one launch is one sample.
 
 Cases (``--cases``): ``inplace`` (``comm.allreduce(x)``), ``out`` (``out=y``), and ``iwait``
-(``comm.iallreduce(x).wait()``, where the nonblocking layer exists), each at every size in
+(``comm.iallreduce(x).wait()``, where the nonblocking layer exists) and ``persistent``
+(``req.start(); req.wait()`` on ``req = comm.allreduce_init(x)``), each at every size in
 ``--sizes`` (float32 buffers; ``8`` = 2 elements).
 
 Run: ``python benchmarks/latency.py [-n 2] [--launches 5] [--sizes 8,64M] [--json out.json]``.
@@ -36,6 +37,14 @@ def _case_fn(comm, case: str, x: np.ndarray, y: np.ndarray):  # type: ignore[no-
         return lambda: comm.allreduce(x, out=y)
     if case == "iwait":
         return lambda: comm.iallreduce(x).wait()
+    if case == "persistent":  # checked and planned once (allreduce_init), started and waited per call
+        req = comm.allreduce_init(x)
+
+        def run():  # type: ignore[no-untyped-def]
+            req.start()
+            return req.wait()
+
+        return run
     raise ValueError(f"unknown case {case!r}")
 
 

@@ -7,6 +7,7 @@ Start ranks with :func:`spawn`, :class:`Group` or ``shmcoll run`` + :func:`init`
 from shmcoll._version import __version__
 from shmcoll.comm import Communicator
 from shmcoll.comm.p2p import ANY_SOURCE, ANY_TAG, Status
+from shmcoll.comm.persistent import Persistent
 from shmcoll.comm.requests import Request, wait_all, wait_any
 from shmcoll.errors import (
     CollectiveMismatchError,
@@ -34,6 +35,7 @@ __all__ = [
     "SpawnError",
     "Status",
     "UnsupportedError",
+    "Persistent",
     "Request",
     "__version__",
     "init",

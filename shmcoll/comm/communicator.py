@@ -18,8 +18,8 @@ from shmcoll import collectives, config
 from shmcoll.comm import arrays, bind, device, failures, groups, objects, registered
 from shmcoll.comm import p2p as p2p_module
 from shmcoll.comm.p2p import ANY_SOURCE, ANY_TAG, Status
+from shmcoll.comm.persistent import PersistentForms
 from shmcoll.comm.requests import Request
-from shmcoll.comm.runtime import Runtime
 from shmcoll.shm import layout
 from shmcoll.shm.arena import Arena
 from shmcoll.shm.registered import SharedArray
@@ -46,16 +46,18 @@ Counts = Sequence[int] | np.ndarray
 """Counts of elements, one per rank: a sequence of ints or a 1-d integer array."""
 
 
-class Communicator(Runtime):
+class Communicator(PersistentForms):
     """A group of ranks that run collectives together; create one with :func:`shmcoll.spawn`,
     :meth:`shmcoll.Group.connect` or :func:`shmcoll.init`.
 
     Every method is collective over the communicator's ranks (except :meth:`send`,
     :meth:`recv` and :meth:`probe`): every rank calls it, in the same order, with matching
     arguments. Arrays are C-contiguous numpy arrays of any shape, treated as flat (also arrays
-    from :meth:`alloc`, and CUDA device arrays with the ``cuda`` extra). Collectives take
-    ``algorithm=`` (``"auto"`` or a registered name) and every method that communicates takes
-    ``timeout=`` (seconds, ``inf`` for no limit; default: the communicator's, ``SHMCOLL_TIMEOUT``).
+    from :meth:`alloc`, and CUDA device arrays with the ``cuda`` extra). The collectives on
+    arrays and their ``i``-forms take ``algorithm=`` (``"auto"`` or a registered name; not
+    :meth:`barrier`, nor the object collectives), and every method that communicates takes
+    ``timeout=`` (seconds, ``inf`` for no limit; default: the communicator's,
+    ``SHMCOLL_TIMEOUT``): all but :meth:`iprobe`, :meth:`abort` and :meth:`close`.
     Results are bitwise identical on every rank.
 
     **Errors.** Wrong use raises ``ValueError``/``TypeError`` on the calling rank before any
@@ -90,13 +92,36 @@ class Communicator(Runtime):
     ) -> np.ndarray:
         """Combine ``x`` element-wise across ranks; every rank gets the result.
 
+        Example::
+
+            x = np.full(4, comm.rank, np.float32)
+            comm.allreduce(x)  # in place: 0 + 1 + ... + (world_size - 1) in every element
+            top = comm.allreduce(x, "max", out=np.empty_like(x))  # out of place
+
         Args:
-            x: this rank's contribution.
-            op: a :class:`~shmcoll.ReduceOp`, its value or its name (``"sum"``).
-            out: where the result goes (same shape and dtype as ``x``); ``None`` or ``x``
-                itself: in place.
+            x: this rank's contribution (any shape, treated as flat).
+            op: a :class:`~shmcoll.ReduceOp`, its value or its name (``"sum"``, ``"max"``).
+            out: where the result goes (same shape and dtype as ``x``); ``None`` or ``x`` itself: in
+                place.
+            algorithm: ``"auto"`` (chosen per call shape by the cost model, the ``shmcoll tune``
+                table and ``SHMCOLL_ALGO``) or an algorithm's name (``"ring"``, ``"direct"``, ...:
+                the README's table, ``shmcoll plan show``).
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
         Returns:
-            The result: ``out``, or ``x`` when in place.
+            The result: ``out``, or ``x`` when in place (the same bits on every rank).
+
+        Raises:
+            ValueError: wrong use: a shape, size or root the call cannot take, a non-contiguous or
+                read-only array where one is written, overlapping buffers, an op the dtype lacks, a
+                bad timeout; :class:`~shmcoll.UnsupportedError` when ``algorithm`` cannot serve the
+                call. Raised on this rank before any communication: the communicator stays usable.
+            TypeError: an unsupported dtype, or ``out`` of another dtype; raised likewise.
+            ShmcollError: a peer died (:class:`~shmcoll.PeerLostError`), the call timed out
+                (:class:`~shmcoll.CollectiveTimeout`) or the ranks' calls differ
+                (:class:`~shmcoll.CollectiveMismatchError`); raised on every rank involved, after
+                which the communicator is broken.
         """
         return self._run(bind.elementwise(self, _ALLREDUCE, x, out, op, 0, algorithm), timeout)  # type: ignore[no-any-return]
 
@@ -112,9 +137,35 @@ class Communicator(Runtime):
     ) -> np.ndarray | None:
         """Combine ``x`` element-wise across ranks onto ``root``.
 
+        Example::
+
+            total = comm.reduce(x, root=0)  # an array on rank 0, None elsewhere
+
+        Args:
+            x: this rank's contribution.
+            root: the rank that gets the result.
+            op: a :class:`~shmcoll.ReduceOp`, its value or its name (``"sum"``, ``"max"``).
+            out: the root's result array (same shape and dtype as ``x``; ``out=x``: in place);
+                ``None``: a new array. Ignored on other ranks.
+            algorithm: ``"auto"`` (chosen per call shape by the cost model, the ``shmcoll tune``
+                table and ``SHMCOLL_ALGO``) or an algorithm's name (``"ring"``, ``"direct"``, ...:
+                the README's table, ``shmcoll plan show``).
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
         Returns:
-            On ``root`` the result (in ``out`` if given, else a new array; ``out=x`` reduces in
-            place); ``None`` elsewhere.
+            On ``root`` the result (``out``, or a new array); ``None`` elsewhere.
+
+        Raises:
+            ValueError: wrong use: a shape, size or root the call cannot take, a non-contiguous or
+                read-only array where one is written, overlapping buffers, an op the dtype lacks, a
+                bad timeout; :class:`~shmcoll.UnsupportedError` when ``algorithm`` cannot serve the
+                call. Raised on this rank before any communication: the communicator stays usable.
+            TypeError: an unsupported dtype, or ``out`` of another dtype; raised likewise.
+            ShmcollError: a peer died (:class:`~shmcoll.PeerLostError`), the call timed out
+                (:class:`~shmcoll.CollectiveTimeout`) or the ranks' calls differ
+                (:class:`~shmcoll.CollectiveMismatchError`); raised on every rank involved, after
+                which the communicator is broken.
         """
         return self._run(bind.elementwise(self, _REDUCE, x, out, op, root, algorithm), timeout)  # type: ignore[no-any-return]
 
@@ -129,17 +180,70 @@ class Communicator(Runtime):
     ) -> np.ndarray:
         """Copy root's ``x`` to every rank: in place in ``x`` (or into ``out``).
 
+        Example::
+
+            w = np.empty(1000) if comm.rank else model_weights()
+            comm.broadcast(w, root=0)  # every rank now holds rank 0's w
+
+        Args:
+            x: root's data; on the other ranks, the array that receives it (same shape and dtype on
+                every rank).
+            root: the rank whose ``x`` is sent.
+            out: where to put the data instead of ``x`` (same shape and dtype); ``None``: in place.
+            algorithm: ``"auto"`` (chosen per call shape by the cost model, the ``shmcoll tune``
+                table and ``SHMCOLL_ALGO``) or an algorithm's name (``"ring"``, ``"direct"``, ...:
+                the README's table, ``shmcoll plan show``).
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
         Returns:
             ``x`` (or ``out``), holding root's data on every rank.
+
+        Raises:
+            ValueError: wrong use: a shape, size or root the call cannot take, a non-contiguous or
+                read-only array where one is written, overlapping buffers, an op the dtype lacks, a
+                bad timeout; :class:`~shmcoll.UnsupportedError` when ``algorithm`` cannot serve the
+                call. Raised on this rank before any communication: the communicator stays usable.
+            TypeError: an unsupported dtype, or ``out`` of another dtype; raised likewise.
+            ShmcollError: a peer died (:class:`~shmcoll.PeerLostError`), the call timed out
+                (:class:`~shmcoll.CollectiveTimeout`) or the ranks' calls differ
+                (:class:`~shmcoll.CollectiveMismatchError`); raised on every rank involved, after
+                which the communicator is broken.
         """
         return self._run(bind.elementwise(self, _BROADCAST, x, out, None, root, algorithm), timeout)  # type: ignore[no-any-return]
 
     def allgather(
         self, x: np.ndarray, *, out: np.ndarray | None = None, algorithm: str = "auto", timeout: float | None = None
     ) -> np.ndarray:
-        """Every rank's ``x``, stacked: shape ``(world_size, *x.shape)`` on every rank.
+        """Every rank's ``x``, stacked in rank order on every rank.
 
-        ``x`` may be ``out[rank]`` itself (in place).
+        Example::
+
+            g = comm.allgather(np.array([comm.rank]))  # [[0], [1], ...] on every rank
+
+        Args:
+            x: this rank's block (same shape and dtype on every rank).
+            out: shape ``(world_size, *x.shape)``, ``x``'s dtype; ``None``: a new array. ``x`` may
+                be ``out[rank]`` itself (in place).
+            algorithm: ``"auto"`` (chosen per call shape by the cost model, the ``shmcoll tune``
+                table and ``SHMCOLL_ALGO``) or an algorithm's name (``"ring"``, ``"direct"``, ...:
+                the README's table, ``shmcoll plan show``).
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Returns:
+            ``out``: ``out[j]`` is rank ``j``'s ``x``.
+
+        Raises:
+            ValueError: wrong use: a shape, size or root the call cannot take, a non-contiguous or
+                read-only array where one is written, overlapping buffers, an op the dtype lacks, a
+                bad timeout; :class:`~shmcoll.UnsupportedError` when ``algorithm`` cannot serve the
+                call. Raised on this rank before any communication: the communicator stays usable.
+            TypeError: an unsupported dtype, or ``out`` of another dtype; raised likewise.
+            ShmcollError: a peer died (:class:`~shmcoll.PeerLostError`), the call timed out
+                (:class:`~shmcoll.CollectiveTimeout`) or the ranks' calls differ
+                (:class:`~shmcoll.CollectiveMismatchError`); raised on every rank involved, after
+                which the communicator is broken.
         """
         return self._run(bind.gathering(self, _ALLGATHER, x, out, 0, algorithm), timeout)  # type: ignore[no-any-return]
 
@@ -152,8 +256,33 @@ class Communicator(Runtime):
         algorithm: str = "auto",
         timeout: float | None = None,
     ) -> np.ndarray | None:
-        """Every rank's ``x`` stacked on ``root`` (shape ``(world_size, *x.shape)``); ``None``
-        elsewhere. On the root, ``x`` may be ``out[root]`` (in place)."""
+        """Every rank's ``x``, stacked in rank order on ``root``.
+
+        Args:
+            x: this rank's block (same shape and dtype on every rank).
+            root: the rank that gets the result.
+            out: the root's result, shape ``(world_size, *x.shape)``; ``None``: a new array. On the
+                root ``x`` may be ``out[root]`` (in place). Ignored on other ranks.
+            algorithm: ``"auto"`` (chosen per call shape by the cost model, the ``shmcoll tune``
+                table and ``SHMCOLL_ALGO``) or an algorithm's name (``"ring"``, ``"direct"``, ...:
+                the README's table, ``shmcoll plan show``).
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Returns:
+            On ``root`` the stacked blocks (``out[j]`` is rank ``j``'s ``x``); ``None`` elsewhere.
+
+        Raises:
+            ValueError: wrong use: a shape, size or root the call cannot take, a non-contiguous or
+                read-only array where one is written, overlapping buffers, an op the dtype lacks, a
+                bad timeout; :class:`~shmcoll.UnsupportedError` when ``algorithm`` cannot serve the
+                call. Raised on this rank before any communication: the communicator stays usable.
+            TypeError: an unsupported dtype, or ``out`` of another dtype; raised likewise.
+            ShmcollError: a peer died (:class:`~shmcoll.PeerLostError`), the call timed out
+                (:class:`~shmcoll.CollectiveTimeout`) or the ranks' calls differ
+                (:class:`~shmcoll.CollectiveMismatchError`); raised on every rank involved, after
+                which the communicator is broken.
+        """
         return self._run(bind.gathering(self, _GATHER, x, out, root, algorithm), timeout)  # type: ignore[no-any-return]
 
     def scatter(
@@ -165,10 +294,37 @@ class Communicator(Runtime):
         algorithm: str = "auto",
         timeout: float | None = None,
     ) -> np.ndarray:
-        """Block ``j`` of root's ``x`` (shape ``(world_size, *shape)``) to rank ``j``.
+        """Block ``j`` of root's ``x`` to rank ``j``.
 
-        Non-root ranks pass ``x=None`` and must give ``out`` (it fixes the shape and dtype);
-        the root may omit it, or pass ``out=x[root]`` (in place). Returns ``out``.
+        Example::
+
+            chunks = np.arange(12.0).reshape(comm.world_size, -1) if comm.rank == 0 else None
+            mine = comm.scatter(chunks, root=0, out=np.empty(12 // comm.world_size))
+
+        Args:
+            x: on the root, shape ``(world_size, *shape)``; other ranks pass ``None``.
+            root: the rank whose ``x`` is scattered.
+            out: shape ``shape``, ``x``'s dtype. Required on non-root ranks (it gives the shape and
+                dtype); the root may omit it (a new array) or pass ``out=x[root]`` (in place).
+            algorithm: ``"auto"`` (chosen per call shape by the cost model, the ``shmcoll tune``
+                table and ``SHMCOLL_ALGO``) or an algorithm's name (``"ring"``, ``"direct"``, ...:
+                the README's table, ``shmcoll plan show``).
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Returns:
+            ``out``, holding this rank's block.
+
+        Raises:
+            ValueError: wrong use: a shape, size or root the call cannot take, a non-contiguous or
+                read-only array where one is written, overlapping buffers, an op the dtype lacks, a
+                bad timeout; :class:`~shmcoll.UnsupportedError` when ``algorithm`` cannot serve the
+                call. Raised on this rank before any communication: the communicator stays usable.
+            TypeError: an unsupported dtype, or ``out`` of another dtype; raised likewise.
+            ShmcollError: a peer died (:class:`~shmcoll.PeerLostError`), the call timed out
+                (:class:`~shmcoll.CollectiveTimeout`) or the ranks' calls differ
+                (:class:`~shmcoll.CollectiveMismatchError`); raised on every rank involved, after
+                which the communicator is broken.
         """
         return self._run(bind.scattering(self, _SCATTER, x, out, None, root, algorithm), timeout)  # type: ignore[no-any-return]
 
@@ -184,12 +340,46 @@ class Communicator(Runtime):
     ) -> np.ndarray:
         """Combine ``x`` across ranks and give rank ``j`` block ``j`` of the result.
 
-        Without ``counts``, ``x.shape[0]`` must be divisible by ``world_size`` and the result
-        has shape ``(x.shape[0] // world_size, *x.shape[1:])``. With ``counts`` (elements per
-        rank, the same on every rank, zeros allowed), ``x`` is flat with ``sum(counts)``
-        elements and rank ``j`` gets the ``counts[j]`` elements from ``sum(counts[:j])`` on (a
-        1-d array unless ``out`` is given). Either way ``out`` may be this rank's block of ``x``
-        (in place).
+        Unlike ``MPI_Reduce_scatter_block`` with ``MPI_IN_PLACE`` (which leaves the result at the
+        start of the buffer), an in-place call here reads and writes this rank's own block of
+        ``x``, as NCCL does: pass ``out=x[rank * k:(rank + 1) * k]`` (with ``counts``, the
+        ``counts[rank]`` elements of ``x`` from ``sum(counts[:rank])`` on).
+
+        Example::
+
+            x = np.ones((2 * comm.world_size, 4))
+            mine = comm.reduce_scatter(x)  # shape (2, 4), every element world_size
+            comm.reduce_scatter(x, out=x[2 * comm.rank:2 * comm.rank + 2])  # in place: block rank
+
+        Args:
+            x: this rank's contribution. Without ``counts``, ``x.shape[0]`` must be divisible by
+                ``world_size``; block ``j`` is ``x[j * k:(j + 1) * k]`` with ``k = x.shape[0] //
+                world_size``. With ``counts``, ``x`` is flat with ``sum(counts)`` elements.
+            op: a :class:`~shmcoll.ReduceOp`, its value or its name (``"sum"``, ``"max"``).
+            counts: elements per rank (the same on every rank, zeros allowed): rank ``j`` gets the
+                ``counts[j]`` elements from ``sum(counts[:j])`` on. ``None``: equal blocks.
+            out: this rank's block, shape ``(k, *x.shape[1:])`` (with ``counts``: ``counts[rank]``
+                elements); ``None``: a new array (1-d with ``counts``). This rank's block of ``x``
+                itself: in place.
+            algorithm: ``"auto"`` (chosen per call shape by the cost model, the ``shmcoll tune``
+                table and ``SHMCOLL_ALGO``) or an algorithm's name (``"ring"``, ``"direct"``, ...:
+                the README's table, ``shmcoll plan show``).
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Returns:
+            ``out``: this rank's block of the reduction.
+
+        Raises:
+            ValueError: wrong use: a shape, size or root the call cannot take, a non-contiguous or
+                read-only array where one is written, overlapping buffers, an op the dtype lacks, a
+                bad timeout; :class:`~shmcoll.UnsupportedError` when ``algorithm`` cannot serve the
+                call. Raised on this rank before any communication: the communicator stays usable.
+            TypeError: an unsupported dtype, or ``out`` of another dtype; raised likewise.
+            ShmcollError: a peer died (:class:`~shmcoll.PeerLostError`), the call timed out
+                (:class:`~shmcoll.CollectiveTimeout`) or the ranks' calls differ
+                (:class:`~shmcoll.CollectiveMismatchError`); raised on every rank involved, after
+                which the communicator is broken.
         """
         return self._run(self._bind_reduce_scatter(x, op, counts, out, algorithm), timeout)  # type: ignore[no-any-return]
 
@@ -201,8 +391,37 @@ class Communicator(Runtime):
     def alltoall(
         self, x: np.ndarray, *, out: np.ndarray | None = None, algorithm: str = "auto", timeout: float | None = None
     ) -> np.ndarray:
-        """Block ``j`` of each rank's ``x`` goes to rank ``j``: ``out[i]`` = rank ``i``'s
-        ``x[rank]``. ``x.shape[0]`` must be ``world_size``; ``out=x`` works in place."""
+        """Block ``j`` of each rank's ``x`` goes to rank ``j``: ``out[i]`` is rank ``i``'s
+        ``x[rank]``.
+
+        Example::
+
+            x = np.full((comm.world_size, 3), comm.rank)
+            y = comm.alltoall(x)  # y[i] == [i, i, i]: what rank i sent this rank
+
+        Args:
+            x: shape ``(world_size, *shape)``: row ``j`` goes to rank ``j``.
+            out: same shape and dtype as ``x``; ``None``: a new array; ``out=x``: in place.
+            algorithm: ``"auto"`` (chosen per call shape by the cost model, the ``shmcoll tune``
+                table and ``SHMCOLL_ALGO``) or an algorithm's name (``"ring"``, ``"direct"``, ...:
+                the README's table, ``shmcoll plan show``).
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Returns:
+            ``out``: row ``i`` is what rank ``i`` sent this rank.
+
+        Raises:
+            ValueError: wrong use: a shape, size or root the call cannot take, a non-contiguous or
+                read-only array where one is written, overlapping buffers, an op the dtype lacks, a
+                bad timeout; :class:`~shmcoll.UnsupportedError` when ``algorithm`` cannot serve the
+                call. Raised on this rank before any communication: the communicator stays usable.
+            TypeError: an unsupported dtype, or ``out`` of another dtype; raised likewise.
+            ShmcollError: a peer died (:class:`~shmcoll.PeerLostError`), the call timed out
+                (:class:`~shmcoll.CollectiveTimeout`) or the ranks' calls differ
+                (:class:`~shmcoll.CollectiveMismatchError`); raised on every rank involved, after
+                which the communicator is broken.
+        """
         return self._run(bind.elementwise(self, _ALLTOALL, x, out, None, 0, algorithm), timeout)  # type: ignore[no-any-return]
 
     def allgatherv(
@@ -214,16 +433,39 @@ class Communicator(Runtime):
         algorithm: str = "auto",
         timeout: float | None = None,
     ) -> np.ndarray:
-        """Every rank's ``x``, of ``counts[rank]`` elements, back to back in rank order on every rank.
+        """Every rank's ``x`` (``counts[rank]`` elements), back to back in rank order, on
+        every rank.
+
+        Example::
+
+            x = np.full(comm.rank + 1, comm.rank)  # ranks contribute 1, 2, 3... elements
+            g = comm.allgatherv(x)  # [0, 1, 1, 2, 2, 2, ...]: the counts are learned first
 
         Args:
             x: this rank's block (any shape; its elements count).
             counts: elements per rank, the same on every rank (zeros allowed). ``None`` on every
                 rank: the counts are learned first, with an allgather of the sizes.
-            out: ``sum(counts)`` elements of ``x``'s dtype (default: a new 1-d array); ``x`` may
-                be this rank's block of it (in place).
+            out: ``sum(counts)`` elements of ``x``'s dtype (default: a new 1-d array); ``x`` may be
+                this rank's block of it (in place).
+            algorithm: ``"auto"`` (chosen per call shape by the cost model, the ``shmcoll tune``
+                table and ``SHMCOLL_ALGO``) or an algorithm's name (``"ring"``, ``"direct"``, ...:
+                the README's table, ``shmcoll plan show``).
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
         Returns:
             ``out``: rank ``j``'s elements from ``sum(counts[:j])`` on.
+
+        Raises:
+            ValueError: wrong use: a shape, size or root the call cannot take, a non-contiguous or
+                read-only array where one is written, overlapping buffers, an op the dtype lacks, a
+                bad timeout; :class:`~shmcoll.UnsupportedError` when ``algorithm`` cannot serve the
+                call. Raised on this rank before any communication: the communicator stays usable.
+            TypeError: an unsupported dtype, or ``out`` of another dtype; raised likewise.
+            ShmcollError: a peer died (:class:`~shmcoll.PeerLostError`), the call timed out
+                (:class:`~shmcoll.CollectiveTimeout`) or the ranks' calls differ
+                (:class:`~shmcoll.CollectiveMismatchError`); raised on every rank involved, after
+                which the communicator is broken.
         """
         if counts is None:
             with self._nested("allgatherv", timeout):
@@ -245,12 +487,35 @@ class Communicator(Runtime):
         algorithm: str = "auto",
         timeout: float | None = None,
     ) -> np.ndarray | None:
-        """Every rank's ``x``, of ``counts[rank]`` elements, back to back in rank order on ``root``.
+        """Every rank's ``x`` (``counts[rank]`` elements), back to back in rank order, on
+        ``root``.
 
-        ``counts`` is required on the root; elsewhere it may be ``None`` (each rank's ``x``
-        gives its count). On the root ``out`` has ``sum(counts)`` elements (default: a new 1-d
-        array) and ``x`` may be its block of it (in place). Returns the result on ``root``,
-        ``None`` elsewhere.
+        Args:
+            x: this rank's block (any shape; its elements count).
+            counts: elements per rank; required on the root, optional elsewhere (each rank's ``x``
+                gives its count).
+            root: the rank that gets the result.
+            out: on the root, ``sum(counts)`` elements of ``x``'s dtype (default: a new 1-d array);
+                ``x`` may be the root's block of it (in place). Ignored elsewhere.
+            algorithm: ``"auto"`` (chosen per call shape by the cost model, the ``shmcoll tune``
+                table and ``SHMCOLL_ALGO``) or an algorithm's name (``"ring"``, ``"direct"``, ...:
+                the README's table, ``shmcoll plan show``).
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Returns:
+            On ``root`` the concatenated blocks; ``None`` elsewhere.
+
+        Raises:
+            ValueError: wrong use: a shape, size or root the call cannot take, a non-contiguous or
+                read-only array where one is written, overlapping buffers, an op the dtype lacks, a
+                bad timeout; :class:`~shmcoll.UnsupportedError` when ``algorithm`` cannot serve the
+                call. Raised on this rank before any communication: the communicator stays usable.
+            TypeError: an unsupported dtype, or ``out`` of another dtype; raised likewise.
+            ShmcollError: a peer died (:class:`~shmcoll.PeerLostError`), the call timed out
+                (:class:`~shmcoll.CollectiveTimeout`) or the ranks' calls differ
+                (:class:`~shmcoll.CollectiveMismatchError`); raised on every rank involved, after
+                which the communicator is broken.
         """
         return self._run(bind.varying(self, _GATHERV, x, out, counts, None, root, algorithm), timeout)  # type: ignore[no-any-return]
 
@@ -264,11 +529,35 @@ class Communicator(Runtime):
         algorithm: str = "auto",
         timeout: float | None = None,
     ) -> np.ndarray:
-        """The ``counts[j]`` elements of root's flat ``x`` from ``sum(counts[:j])`` on, to rank ``j``.
+        """Root's flat ``x`` cut in blocks of ``counts[j]`` elements: block ``j`` (from
+        ``sum(counts[:j])`` on) to rank ``j``.
 
-        ``counts`` is required on the root; elsewhere it may be ``None``. Non-root ranks pass
-        ``x=None`` and must give ``out`` (its size and dtype say what they receive); the root
-        may omit it (a new 1-d array) or pass its block of ``x`` (in place). Returns ``out``.
+        Args:
+            x: on the root, ``sum(counts)`` elements; other ranks pass ``None``.
+            counts: elements per rank; required on the root, optional elsewhere.
+            root: the rank whose ``x`` is scattered.
+            out: this rank's ``counts[rank]`` elements. Required on non-root ranks (its size and
+                dtype say what they receive); the root may omit it (a new 1-d array) or pass its
+                block of ``x`` (in place).
+            algorithm: ``"auto"`` (chosen per call shape by the cost model, the ``shmcoll tune``
+                table and ``SHMCOLL_ALGO``) or an algorithm's name (``"ring"``, ``"direct"``, ...:
+                the README's table, ``shmcoll plan show``).
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Returns:
+            ``out``, holding this rank's block.
+
+        Raises:
+            ValueError: wrong use: a shape, size or root the call cannot take, a non-contiguous or
+                read-only array where one is written, overlapping buffers, an op the dtype lacks, a
+                bad timeout; :class:`~shmcoll.UnsupportedError` when ``algorithm`` cannot serve the
+                call. Raised on this rank before any communication: the communicator stays usable.
+            TypeError: an unsupported dtype, or ``out`` of another dtype; raised likewise.
+            ShmcollError: a peer died (:class:`~shmcoll.PeerLostError`), the call timed out
+                (:class:`~shmcoll.CollectiveTimeout`) or the ranks' calls differ
+                (:class:`~shmcoll.CollectiveMismatchError`); raised on every rank involved, after
+                which the communicator is broken.
         """
         return self._run(bind.varying(self, _SCATTERV, x, out, counts, None, root, algorithm), timeout)  # type: ignore[no-any-return]
 
@@ -286,11 +575,31 @@ class Communicator(Runtime):
         ``sum(send_counts[:j])`` on; ``out`` holds what each rank sent this one, in rank order.
 
         Args:
-            send_counts: elements for each rank (``x`` has ``sum(send_counts)``).
-            recv_counts: elements from each rank: rank ``i``'s ``send_counts[this rank]``.
-                ``None``: learned first, with an alltoall of the send counts.
-            out: ``sum(recv_counts)`` elements of ``x``'s dtype, disjoint from ``x`` (default:
-                a new 1-d array). alltoallv never runs in place.
+            x: this rank's data, flat, ``sum(send_counts)`` elements.
+            send_counts: elements for each rank.
+            recv_counts: elements from each rank: rank ``i``'s ``send_counts[this rank]``. ``None``:
+                learned first, with an alltoall of the send counts.
+            out: ``sum(recv_counts)`` elements of ``x``'s dtype, disjoint from ``x`` (default: a new
+                1-d array). alltoallv never runs in place.
+            algorithm: ``"auto"`` (chosen per call shape by the cost model, the ``shmcoll tune``
+                table and ``SHMCOLL_ALGO``) or an algorithm's name (``"ring"``, ``"direct"``, ...:
+                the README's table, ``shmcoll plan show``).
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Returns:
+            ``out``: rank ``i``'s elements from ``sum(recv_counts[:i])`` on.
+
+        Raises:
+            ValueError: wrong use: a shape, size or root the call cannot take, a non-contiguous or
+                read-only array where one is written, overlapping buffers, an op the dtype lacks, a
+                bad timeout; :class:`~shmcoll.UnsupportedError` when ``algorithm`` cannot serve the
+                call. Raised on this rank before any communication: the communicator stays usable.
+            TypeError: an unsupported dtype, or ``out`` of another dtype; raised likewise.
+            ShmcollError: a peer died (:class:`~shmcoll.PeerLostError`), the call timed out
+                (:class:`~shmcoll.CollectiveTimeout`) or the ranks' calls differ
+                (:class:`~shmcoll.CollectiveMismatchError`); raised on every rank involved, after
+                which the communicator is broken.
         """
         if recv_counts is None:
             sends = np.array(arrays.check_counts(send_counts, "send_counts", self._world_size), np.int64)
@@ -312,8 +621,36 @@ class Communicator(Runtime):
         timeout: float | None = None,
     ) -> np.ndarray:
         """Inclusive prefix reduction: rank ``r`` gets ``x_0 (op) x_1 (op) ... (op) x_r``,
-        element-wise, combined in rank order. ``op`` is any op but ``AVG``; ``out=None`` or
-        ``x``: in place. Returns the result."""
+        element-wise, combined in rank order.
+
+        Example::
+
+            c = comm.scan(np.array([1]))  # rank r gets [r + 1]
+
+        Args:
+            x: this rank's contribution.
+            op: any :class:`~shmcoll.ReduceOp` but ``AVG``, its value or its name.
+            out: same shape and dtype as ``x``; ``None`` or ``x``: in place.
+            algorithm: ``"auto"`` (chosen per call shape by the cost model, the ``shmcoll tune``
+                table and ``SHMCOLL_ALGO``) or an algorithm's name (``"ring"``, ``"direct"``, ...:
+                the README's table, ``shmcoll plan show``).
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Returns:
+            The result: ``out``, or ``x`` when in place.
+
+        Raises:
+            ValueError: wrong use: a shape, size or root the call cannot take, a non-contiguous or
+                read-only array where one is written, overlapping buffers, an op the dtype lacks, a
+                bad timeout; :class:`~shmcoll.UnsupportedError` when ``algorithm`` cannot serve the
+                call. Raised on this rank before any communication: the communicator stays usable.
+            TypeError: an unsupported dtype, or ``out`` of another dtype; raised likewise.
+            ShmcollError: a peer died (:class:`~shmcoll.PeerLostError`), the call timed out
+                (:class:`~shmcoll.CollectiveTimeout`) or the ranks' calls differ
+                (:class:`~shmcoll.CollectiveMismatchError`); raised on every rank involved, after
+                which the communicator is broken.
+        """
         return self._run(bind.elementwise(self, _SCAN, x, out, op, 0, algorithm), timeout)  # type: ignore[no-any-return]
 
     def exscan(
@@ -328,11 +665,49 @@ class Communicator(Runtime):
         """Exclusive prefix reduction: rank ``r > 0`` gets ``x_0 (op) ... (op) x_{r-1}``; rank 0
         gets the op's identity (0 for SUM, BOR, BXOR; 1 for PROD; all bits set for BAND; for
         MIN/MAX the dtype's largest/smallest value, ``inf``/``-inf`` for floats), where MPI
-        leaves it undefined. ``op`` is any op but ``AVG``; ``out=None`` or ``x``: in place."""
+        leaves it undefined.
+
+        Example::
+
+            offset = comm.exscan(np.array([n_local]))  # where this rank's items start globally
+
+        Args:
+            x: this rank's contribution.
+            op: any :class:`~shmcoll.ReduceOp` but ``AVG``, its value or its name.
+            out: same shape and dtype as ``x``; ``None`` or ``x``: in place.
+            algorithm: ``"auto"`` (chosen per call shape by the cost model, the ``shmcoll tune``
+                table and ``SHMCOLL_ALGO``) or an algorithm's name (``"ring"``, ``"direct"``, ...:
+                the README's table, ``shmcoll plan show``).
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Returns:
+            The result: ``out``, or ``x`` when in place.
+
+        Raises:
+            ValueError: wrong use: a shape, size or root the call cannot take, a non-contiguous or
+                read-only array where one is written, overlapping buffers, an op the dtype lacks, a
+                bad timeout; :class:`~shmcoll.UnsupportedError` when ``algorithm`` cannot serve the
+                call. Raised on this rank before any communication: the communicator stays usable.
+            TypeError: an unsupported dtype, or ``out`` of another dtype; raised likewise.
+            ShmcollError: a peer died (:class:`~shmcoll.PeerLostError`), the call timed out
+                (:class:`~shmcoll.CollectiveTimeout`) or the ranks' calls differ
+                (:class:`~shmcoll.CollectiveMismatchError`); raised on every rank involved, after
+                which the communicator is broken.
+        """
         return self._run(bind.elementwise(self, _EXSCAN, x, out, op, 0, algorithm), timeout)  # type: ignore[no-any-return]
 
     def barrier(self, *, timeout: float | None = None) -> None:
-        """Return once every rank has entered the barrier."""
+        """Return once every rank has entered the barrier.
+
+        Args:
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Raises:
+            ShmcollError: a peer died, the call timed out or the ranks' calls differ (see
+                :meth:`allreduce`); the communicator is then broken.
+        """
         self._run(bind.barrier(self), timeout)
 
     # --- nonblocking collectives ---------------------------------------------------------------
@@ -349,8 +724,20 @@ class Communicator(Runtime):
         algorithm: str = "auto",
         timeout: float | None = None,
     ) -> Request:
-        """Start :meth:`allreduce`; returns its :class:`~shmcoll.Request` (``x``, ``out`` belong
-        to it until ``wait`` returns)."""
+        """Start :meth:`allreduce` and return at once.
+
+        Takes :meth:`allreduce`'s arguments.
+        The arrays given belong to the operation until its ``wait()`` returns: do not read its
+        output or write its input before then.
+
+        Returns:
+            A :class:`~shmcoll.Request`; its ``wait()`` returns what :meth:`allreduce` returns.
+
+        Raises:
+            ValueError: wrong use, as for :meth:`allreduce`, at once (nothing is started); so is
+                ``TypeError``. Errors between ranks come out of the request's ``wait()`` or
+                ``test()``.
+        """
         return self._start(bind.elementwise(self, _ALLREDUCE, x, out, op, 0, algorithm), timeout, "iallreduce")
 
     def ireduce(
@@ -363,7 +750,20 @@ class Communicator(Runtime):
         algorithm: str = "auto",
         timeout: float | None = None,
     ) -> Request:
-        """Start :meth:`reduce`; returns its :class:`~shmcoll.Request`."""
+        """Start :meth:`reduce` and return at once.
+
+        Takes :meth:`reduce`'s arguments.
+        The arrays given belong to the operation until its ``wait()`` returns: do not read its
+        output or write its input before then.
+
+        Returns:
+            A :class:`~shmcoll.Request`; its ``wait()`` returns what :meth:`reduce` returns.
+
+        Raises:
+            ValueError: wrong use, as for :meth:`reduce`, at once (nothing is started); so is
+                ``TypeError``. Errors between ranks come out of the request's ``wait()`` or
+                ``test()``.
+        """
         return self._start(bind.elementwise(self, _REDUCE, x, out, op, root, algorithm), timeout, "ireduce")
 
     def ibroadcast(
@@ -375,13 +775,39 @@ class Communicator(Runtime):
         algorithm: str = "auto",
         timeout: float | None = None,
     ) -> Request:
-        """Start :meth:`broadcast`; returns its :class:`~shmcoll.Request`."""
+        """Start :meth:`broadcast` and return at once.
+
+        Takes :meth:`broadcast`'s arguments.
+        The arrays given belong to the operation until its ``wait()`` returns: do not read its
+        output or write its input before then.
+
+        Returns:
+            A :class:`~shmcoll.Request`; its ``wait()`` returns what :meth:`broadcast` returns.
+
+        Raises:
+            ValueError: wrong use, as for :meth:`broadcast`, at once (nothing is started); so is
+                ``TypeError``. Errors between ranks come out of the request's ``wait()`` or
+                ``test()``.
+        """
         return self._start(bind.elementwise(self, _BROADCAST, x, out, None, root, algorithm), timeout, "ibroadcast")
 
     def iallgather(
         self, x: np.ndarray, *, out: np.ndarray | None = None, algorithm: str = "auto", timeout: float | None = None
     ) -> Request:
-        """Start :meth:`allgather`; returns its :class:`~shmcoll.Request`."""
+        """Start :meth:`allgather` and return at once.
+
+        Takes :meth:`allgather`'s arguments.
+        The arrays given belong to the operation until its ``wait()`` returns: do not read its
+        output or write its input before then.
+
+        Returns:
+            A :class:`~shmcoll.Request`; its ``wait()`` returns what :meth:`allgather` returns.
+
+        Raises:
+            ValueError: wrong use, as for :meth:`allgather`, at once (nothing is started); so is
+                ``TypeError``. Errors between ranks come out of the request's ``wait()`` or
+                ``test()``.
+        """
         return self._start(bind.gathering(self, _ALLGATHER, x, out, 0, algorithm), timeout, "iallgather")
 
     def igather(
@@ -393,7 +819,20 @@ class Communicator(Runtime):
         algorithm: str = "auto",
         timeout: float | None = None,
     ) -> Request:
-        """Start :meth:`gather`; returns its :class:`~shmcoll.Request`."""
+        """Start :meth:`gather` and return at once.
+
+        Takes :meth:`gather`'s arguments.
+        The arrays given belong to the operation until its ``wait()`` returns: do not read its
+        output or write its input before then.
+
+        Returns:
+            A :class:`~shmcoll.Request`; its ``wait()`` returns what :meth:`gather` returns.
+
+        Raises:
+            ValueError: wrong use, as for :meth:`gather`, at once (nothing is started); so is
+                ``TypeError``. Errors between ranks come out of the request's ``wait()`` or
+                ``test()``.
+        """
         return self._start(bind.gathering(self, _GATHER, x, out, root, algorithm), timeout, "igather")
 
     def iscatter(
@@ -405,7 +844,20 @@ class Communicator(Runtime):
         algorithm: str = "auto",
         timeout: float | None = None,
     ) -> Request:
-        """Start :meth:`scatter`; returns its :class:`~shmcoll.Request`."""
+        """Start :meth:`scatter` and return at once.
+
+        Takes :meth:`scatter`'s arguments.
+        The arrays given belong to the operation until its ``wait()`` returns: do not read its
+        output or write its input before then.
+
+        Returns:
+            A :class:`~shmcoll.Request`; its ``wait()`` returns what :meth:`scatter` returns.
+
+        Raises:
+            ValueError: wrong use, as for :meth:`scatter`, at once (nothing is started); so is
+                ``TypeError``. Errors between ranks come out of the request's ``wait()`` or
+                ``test()``.
+        """
         return self._start(bind.scattering(self, _SCATTER, x, out, None, root, algorithm), timeout, "iscatter")
 
     def ireduce_scatter(
@@ -418,13 +870,39 @@ class Communicator(Runtime):
         algorithm: str = "auto",
         timeout: float | None = None,
     ) -> Request:
-        """Start :meth:`reduce_scatter`; returns its :class:`~shmcoll.Request`."""
+        """Start :meth:`reduce_scatter` and return at once.
+
+        Takes :meth:`reduce_scatter`'s arguments.
+        The arrays given belong to the operation until its ``wait()`` returns: do not read its
+        output or write its input before then.
+
+        Returns:
+            A :class:`~shmcoll.Request`; its ``wait()`` returns what :meth:`reduce_scatter` returns.
+
+        Raises:
+            ValueError: wrong use, as for :meth:`reduce_scatter`, at once (nothing is started); so
+                is ``TypeError``. Errors between ranks come out of the request's ``wait()`` or
+                ``test()``.
+        """
         return self._start(self._bind_reduce_scatter(x, op, counts, out, algorithm), timeout, "ireduce_scatter")
 
     def ialltoall(
         self, x: np.ndarray, *, out: np.ndarray | None = None, algorithm: str = "auto", timeout: float | None = None
     ) -> Request:
-        """Start :meth:`alltoall`; returns its :class:`~shmcoll.Request`."""
+        """Start :meth:`alltoall` and return at once.
+
+        Takes :meth:`alltoall`'s arguments.
+        The arrays given belong to the operation until its ``wait()`` returns: do not read its
+        output or write its input before then.
+
+        Returns:
+            A :class:`~shmcoll.Request`; its ``wait()`` returns what :meth:`alltoall` returns.
+
+        Raises:
+            ValueError: wrong use, as for :meth:`alltoall`, at once (nothing is started); so is
+                ``TypeError``. Errors between ranks come out of the request's ``wait()`` or
+                ``test()``.
+        """
         return self._start(bind.elementwise(self, _ALLTOALL, x, out, None, 0, algorithm), timeout, "ialltoall")
 
     def iallgatherv(
@@ -436,7 +914,20 @@ class Communicator(Runtime):
         algorithm: str = "auto",
         timeout: float | None = None,
     ) -> Request:
-        """Start :meth:`allgatherv` (``counts`` required); returns its :class:`~shmcoll.Request`."""
+        """Start :meth:`allgatherv` and return at once.
+
+        Takes :meth:`allgatherv`'s arguments (``counts`` required: the blocking form learns them).
+        The arrays given belong to the operation until its ``wait()`` returns: do not read its
+        output or write its input before then.
+
+        Returns:
+            A :class:`~shmcoll.Request`; its ``wait()`` returns what :meth:`allgatherv` returns.
+
+        Raises:
+            ValueError: wrong use, as for :meth:`allgatherv`, at once (nothing is started); so is
+                ``TypeError``. Errors between ranks come out of the request's ``wait()`` or
+                ``test()``.
+        """
         if counts is None:
             raise ValueError("iallgatherv: counts is required (allgatherv learns them, blocking)")
         b = bind.varying(self, _ALLGATHERV, x, out, counts, None, 0, algorithm)
@@ -452,7 +943,20 @@ class Communicator(Runtime):
         algorithm: str = "auto",
         timeout: float | None = None,
     ) -> Request:
-        """Start :meth:`gatherv`; returns its :class:`~shmcoll.Request`."""
+        """Start :meth:`gatherv` and return at once.
+
+        Takes :meth:`gatherv`'s arguments.
+        The arrays given belong to the operation until its ``wait()`` returns: do not read its
+        output or write its input before then.
+
+        Returns:
+            A :class:`~shmcoll.Request`; its ``wait()`` returns what :meth:`gatherv` returns.
+
+        Raises:
+            ValueError: wrong use, as for :meth:`gatherv`, at once (nothing is started); so is
+                ``TypeError``. Errors between ranks come out of the request's ``wait()`` or
+                ``test()``.
+        """
         return self._start(bind.varying(self, _GATHERV, x, out, counts, None, root, algorithm), timeout, "igatherv")
 
     def iscatterv(
@@ -465,7 +969,20 @@ class Communicator(Runtime):
         algorithm: str = "auto",
         timeout: float | None = None,
     ) -> Request:
-        """Start :meth:`scatterv`; returns its :class:`~shmcoll.Request`."""
+        """Start :meth:`scatterv` and return at once.
+
+        Takes :meth:`scatterv`'s arguments.
+        The arrays given belong to the operation until its ``wait()`` returns: do not read its
+        output or write its input before then.
+
+        Returns:
+            A :class:`~shmcoll.Request`; its ``wait()`` returns what :meth:`scatterv` returns.
+
+        Raises:
+            ValueError: wrong use, as for :meth:`scatterv`, at once (nothing is started); so is
+                ``TypeError``. Errors between ranks come out of the request's ``wait()`` or
+                ``test()``.
+        """
         return self._start(bind.varying(self, _SCATTERV, x, out, counts, None, root, algorithm), timeout, "iscatterv")
 
     def ialltoallv(
@@ -478,7 +995,20 @@ class Communicator(Runtime):
         algorithm: str = "auto",
         timeout: float | None = None,
     ) -> Request:
-        """Start :meth:`alltoallv` (``recv_counts`` required); returns its :class:`~shmcoll.Request`."""
+        """Start :meth:`alltoallv` and return at once.
+
+        Takes :meth:`alltoallv`'s arguments (``recv_counts`` required: the blocking form learns them).
+        The arrays given belong to the operation until its ``wait()`` returns: do not read its
+        output or write its input before then.
+
+        Returns:
+            A :class:`~shmcoll.Request`; its ``wait()`` returns what :meth:`alltoallv` returns.
+
+        Raises:
+            ValueError: wrong use, as for :meth:`alltoallv`, at once (nothing is started); so is
+                ``TypeError``. Errors between ranks come out of the request's ``wait()`` or
+                ``test()``.
+        """
         if recv_counts is None:
             raise ValueError("ialltoallv: recv_counts is required (alltoallv learns them, blocking)")
         b = bind.varying(self, _ALLTOALLV, x, out, send_counts, None, 0, algorithm, recv_counts)
@@ -493,7 +1023,20 @@ class Communicator(Runtime):
         algorithm: str = "auto",
         timeout: float | None = None,
     ) -> Request:
-        """Start :meth:`scan`; returns its :class:`~shmcoll.Request`."""
+        """Start :meth:`scan` and return at once.
+
+        Takes :meth:`scan`'s arguments.
+        The arrays given belong to the operation until its ``wait()`` returns: do not read its
+        output or write its input before then.
+
+        Returns:
+            A :class:`~shmcoll.Request`; its ``wait()`` returns what :meth:`scan` returns.
+
+        Raises:
+            ValueError: wrong use, as for :meth:`scan`, at once (nothing is started); so is
+                ``TypeError``. Errors between ranks come out of the request's ``wait()`` or
+                ``test()``.
+        """
         return self._start(bind.elementwise(self, _SCAN, x, out, op, 0, algorithm), timeout, "iscan")
 
     def iexscan(
@@ -505,11 +1048,31 @@ class Communicator(Runtime):
         algorithm: str = "auto",
         timeout: float | None = None,
     ) -> Request:
-        """Start :meth:`exscan`; returns its :class:`~shmcoll.Request`."""
+        """Start :meth:`exscan` and return at once.
+
+        Takes :meth:`exscan`'s arguments.
+        The arrays given belong to the operation until its ``wait()`` returns: do not read its
+        output or write its input before then.
+
+        Returns:
+            A :class:`~shmcoll.Request`; its ``wait()`` returns what :meth:`exscan` returns.
+
+        Raises:
+            ValueError: wrong use, as for :meth:`exscan`, at once (nothing is started); so is
+                ``TypeError``. Errors between ranks come out of the request's ``wait()`` or
+                ``test()``.
+        """
         return self._start(bind.elementwise(self, _EXSCAN, x, out, op, 0, algorithm), timeout, "iexscan")
 
     def ibarrier(self, *, timeout: float | None = None) -> Request:
-        """Start :meth:`barrier`; returns its :class:`~shmcoll.Request`."""
+        """Start :meth:`barrier` and return at once.
+
+        Args:
+            timeout: as for :meth:`barrier`.
+
+        Returns:
+            A :class:`~shmcoll.Request` that completes once every rank has entered the barrier.
+        """
         return self._start(bind.barrier(self), timeout, "ibarrier")
 
     # --- point to point -----------------------------------------------------------------------
@@ -517,9 +1080,33 @@ class Communicator(Runtime):
     # probes that see only point-to-point messages, sends to oneself. Messages between one pair
     # of ranks with the same tag arrive in order.
     def send(self, x: np.ndarray, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
-        """Send ``x`` to rank ``dst`` with ``tag`` (an int >= 0); returns once the message is in
-        shared memory (a message larger than the mailbox waits for the receiver to take its
-        beginning)."""
+        """Send ``x`` to rank ``dst`` with ``tag``.
+
+        Returns once the message is in shared memory (a message larger than the mailbox waits for
+        the receiver to take its beginning). A rank may send to itself, any size, and receive the
+        message afterwards.
+
+        Example::
+
+            if comm.rank == 0:
+                comm.send(np.arange(4.0), dst=1, tag=7)
+            elif comm.rank == 1:
+                status = comm.recv(buf := np.empty(4), src=0, tag=7)
+
+        Args:
+            x: the data (any C-contiguous array; a device array is staged through the host).
+            dst: the receiving rank (this rank included).
+            tag: an int >= 0 the receiver can select on.
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Raises:
+            ValueError: ``dst`` out of range, a negative tag, a bad timeout (before anything is sent
+                or received).
+            TypeError: a tag that is not an int.
+            ShmcollError: the peer died, the call timed out, or the communicator was aborted; the
+                communicator is then broken.
+        """
         if type(x) is not np.ndarray:
             x = self._p2p_array(x, dst, tag, True)
             if x is None:
@@ -531,13 +1118,25 @@ class Communicator(Runtime):
     ) -> Status:
         """Receive into ``buf`` a message from ``src`` (or any rank) with ``tag`` (or any tag).
 
-        ``buf`` must have the message's dtype and room for it (it may be larger).
+        Messages from one sender with one tag arrive in the order they were sent. A message that
+        does not fit stays, to be received into a fitting buffer.
+
+        Args:
+            buf: where the message goes: its dtype, with room for the message (it may be larger;
+                ``Status.count`` says how much was written).
+            src: the sender's rank, or :data:`~shmcoll.ANY_SOURCE`.
+            tag: the tag, or :data:`~shmcoll.ANY_TAG`.
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
 
         Returns:
             The message's :class:`~shmcoll.Status`: ``source``, ``tag``, ``count`` (elements).
+
         Raises:
-            ValueError/TypeError: the matching message is larger than ``buf``, or of another
-                dtype (it stays, to be received into a fitting buffer).
+            ValueError: the matching message is larger than ``buf``; ``src`` out of range.
+            TypeError: the matching message has another dtype than ``buf``.
+            ShmcollError: the sender died, the call timed out, or the communicator was aborted; the
+                communicator is then broken.
         """
         if type(buf) is not np.ndarray:
             status = self._p2p_array(buf, src, tag, False)
@@ -547,16 +1146,48 @@ class Communicator(Runtime):
         return self._point_to_point().recv(buf, src, tag, self._valid_timeout(timeout), True).wait()  # type: ignore[no-any-return]
 
     def isend(self, x: np.ndarray, dst: int, tag: int = 0, *, timeout: float | None = None) -> Request:
-        """Start :meth:`send`; returns its :class:`~shmcoll.Request` (``x`` belongs to it until
-        ``wait`` returns)."""
+        """Start :meth:`send` and return at once; ``x`` belongs to the send until its
+        ``wait()`` returns.
+
+        Args:
+            x: the data (a host array).
+            dst: the receiving rank.
+            tag: an int >= 0.
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Returns:
+            A :class:`~shmcoll.Request`; its ``wait()`` returns ``None`` once the message is in
+            shared memory.
+
+        Raises:
+            ValueError: as :meth:`send`, at once. Errors between ranks come out of ``wait()``.
+            TypeError: ``x`` is a device array (nonblocking point-to-point takes host arrays).
+        """
         x = self._host_array(x, "x")
         return self._point_to_point().send(x, dst, tag, self._valid_timeout(timeout), False)
 
     def irecv(
         self, buf: np.ndarray, src: int = ANY_SOURCE, tag: int = ANY_TAG, *, timeout: float | None = None
     ) -> Request:
-        """Start :meth:`recv`; its :class:`~shmcoll.Request`'s ``wait`` returns the
-        :class:`~shmcoll.Status` (``buf`` belongs to it until then)."""
+        """Start :meth:`recv` and return at once; ``buf`` belongs to the receive until its
+        ``wait()`` returns.
+
+        Args:
+            buf: where the message goes (a host array).
+            src: the sender's rank, or :data:`~shmcoll.ANY_SOURCE`.
+            tag: the tag, or :data:`~shmcoll.ANY_TAG`.
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Returns:
+            A :class:`~shmcoll.Request`; its ``wait()`` returns the message's
+            :class:`~shmcoll.Status`.
+
+        Raises:
+            ValueError: as :meth:`recv`, at once; a message that does not fit, from ``wait()``.
+            TypeError: ``buf`` is a device array.
+        """
         buf = self._host_array(buf, "buf")
         return self._point_to_point().recv(buf, src, tag, self._valid_timeout(timeout), False)
 
@@ -571,8 +1202,32 @@ class Communicator(Runtime):
         recvtag: int = ANY_TAG,
         timeout: float | None = None,
     ) -> Status:
-        """Send ``x`` to ``dst`` and receive into ``buf`` from ``src`` at once (no deadlock when
-        two ranks exchange); returns the receive's :class:`~shmcoll.Status`."""
+        """Send ``x`` to ``dst`` and receive into ``buf`` from ``src`` at once (no deadlock
+        when two ranks exchange).
+
+        Example::
+
+            right, left = (comm.rank + 1) % comm.world_size, (comm.rank - 1) % comm.world_size
+            comm.sendrecv(x, right, buf, left)  # a ring shift
+
+        Args:
+            x: the data to send.
+            dst: the rank to send to.
+            buf: where the received message goes.
+            src: the rank to receive from, or :data:`~shmcoll.ANY_SOURCE`.
+            sendtag: the sent message's tag.
+            recvtag: the tag to receive, or :data:`~shmcoll.ANY_TAG`.
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Returns:
+            The receive's :class:`~shmcoll.Status`.
+
+        Raises:
+            ValueError: as :meth:`send` and :meth:`recv`.
+            TypeError: as :meth:`recv`.
+            ShmcollError: as :meth:`send` and :meth:`recv`.
+        """
         sent = self.isend(x, dst, sendtag, timeout=timeout)
         status = self.recv(buf, src, recvtag, timeout=timeout)
         sent.wait()
@@ -580,19 +1235,60 @@ class Communicator(Runtime):
 
     def probe(self, src: int = ANY_SOURCE, tag: int = ANY_TAG, *, timeout: float | None = None) -> Status:
         """Wait until a point-to-point message from ``src`` with ``tag`` can be received, and
-        return its :class:`~shmcoll.Status` without receiving it (``count`` in the sender's
-        elements). Collective traffic is never seen."""
+        return its :class:`~shmcoll.Status` without receiving it.
+
+        Unlike MPI's, ``count`` is in elements of the sender's dtype (``Status.nbytes`` gives the
+        bytes): size the buffer from it, then :meth:`recv` with the status's ``source`` and
+        ``tag`` to take that very message. Collective traffic is never seen.
+
+        Args:
+            src: the sender's rank, or :data:`~shmcoll.ANY_SOURCE`.
+            tag: the tag, or :data:`~shmcoll.ANY_TAG`.
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Returns:
+            The :class:`~shmcoll.Status` of the earliest matching message.
+
+        Raises:
+            ValueError: ``src`` out of range, a bad timeout.
+            ShmcollError: no message came within the timeout, a peer died, or the communicator was
+                aborted; the communicator is then broken.
+        """
         status = self._point_to_point().probe(src, tag, self._valid_timeout(timeout), True)
         assert status is not None
         return status
 
     def iprobe(self, src: int = ANY_SOURCE, tag: int = ANY_TAG) -> Status | None:
-        """:meth:`probe` without waiting: the :class:`~shmcoll.Status` of a message that can be
-        received now, or ``None``."""
+        """:meth:`probe` without waiting.
+
+        Args:
+            src: the sender's rank, or :data:`~shmcoll.ANY_SOURCE`.
+            tag: the tag, or :data:`~shmcoll.ANY_TAG`.
+
+        Returns:
+            The :class:`~shmcoll.Status` of a message that can be received now, or ``None``.
+
+        Raises:
+            ValueError: ``src`` out of range.
+        """
         return self._point_to_point().probe(src, tag, None, False)
 
     def send_object(self, obj: Any, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
-        """Send a picklable ``obj`` to ``dst`` with ``tag``."""
+        """Send a picklable ``obj`` to ``dst`` with ``tag``; receive it with :meth:`recv_object`.
+
+        Args:
+            obj: any picklable object.
+            dst: the receiving rank.
+            tag: an int >= 0.
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Raises:
+            TypeError: ``obj`` cannot be pickled (nothing is sent).
+            ValueError: as :meth:`send`.
+            ShmcollError: as :meth:`send`.
+        """
         try:
             payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
         except Exception as exc:  # noqa: BLE001  (anything pickling raises is the caller's error)
@@ -601,7 +1297,21 @@ class Communicator(Runtime):
         p2p.send(payload, dst, tag, self._valid_timeout(timeout), True, dtype_code=p2p_module.OBJECT_DTYPE).wait()
 
     def recv_object(self, src: int = ANY_SOURCE, tag: int = ANY_TAG, *, timeout: float | None = None) -> Any:
-        """The next object sent with :meth:`send_object` from ``src`` with ``tag``."""
+        """The next object sent with :meth:`send_object` from ``src`` with ``tag``.
+
+        Args:
+            src: the sender's rank, or :data:`~shmcoll.ANY_SOURCE`.
+            tag: the tag, or :data:`~shmcoll.ANY_TAG`.
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Returns:
+            The unpickled object.
+
+        Raises:
+            ValueError: as :meth:`recv`.
+            ShmcollError: as :meth:`recv`.
+        """
         req = self._point_to_point().recv(None, src, tag, self._valid_timeout(timeout), True, allocate=True)
         payload, _ = req.wait()
         return pickle.loads(payload.tobytes())
@@ -645,30 +1355,131 @@ class Communicator(Runtime):
         with ``buf = comm.alloc(...)`` on every rank); ``auto`` takes it where it is the faster
         choice (large calls: it saves a copy but costs barriers). The memory is released once no
         array views it any longer on any rank (or when the communicator closes).
+
+        Example::
+
+            buf = comm.alloc((1 << 20,), np.float32)
+            buf[:] = local_gradients
+            comm.allreduce(buf)  # may read the peers' buf in place
+
+        Args:
+            shape: the array's shape (an int or a sequence).
+            dtype: its numpy dtype.
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Returns:
+            A :class:`~shmcoll.shm.registered.SharedArray` (a numpy array).
+
+        Raises:
+            ValueError: a bad shape, or more memory than the machine has.
+            TypeError: an unsupported dtype.
+            ShmcollError: a peer died, the call timed out or the ranks asked for different arrays;
+                the communicator is then broken.
         """
         return registered.alloc(self, shape, dtype, timeout)
 
     # --- object collectives -------------------------------------------------------------------
     def broadcast_object(self, obj: Any, root: int = 0, *, timeout: float | None = None) -> Any:
-        """Root's picklable ``obj`` on every rank (root gets its own object back)."""
+        """Root's picklable ``obj`` on every rank (root gets its own object back).
+
+        Example::
+
+            cfg = comm.broadcast_object(load_config() if comm.rank == 0 else None, root=0)
+
+        Args:
+            obj: the root's object; ignored elsewhere.
+            root: the rank whose object is sent.
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Returns:
+            Root's object (a copy, on the other ranks).
+
+        Raises:
+            TypeError: an object cannot be pickled; raised on every rank, and the communicator stays
+                usable.
+            ShmcollError: a peer died, the call timed out or the ranks' calls differ (see
+                :meth:`allreduce`); the communicator is then broken.
+        """
         return objects.broadcast_object(self, obj, root, timeout=timeout)
 
     def allgather_object(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
-        """Every rank's picklable ``obj``, as a list indexed by rank, on every rank."""
+        """Every rank's picklable ``obj``, as a list indexed by rank, on every rank.
+
+        Args:
+            obj: this rank's object.
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Returns:
+            ``[obj of rank 0, obj of rank 1, ...]``.
+
+        Raises:
+            TypeError: an object cannot be pickled; raised on every rank, and the communicator stays
+                usable.
+            ShmcollError: a peer died, the call timed out or the ranks' calls differ (see
+                :meth:`allreduce`); the communicator is then broken.
+        """
         return objects.allgather_object(self, obj, timeout=timeout)
 
     def gather_object(self, obj: Any, root: int = 0, *, timeout: float | None = None) -> list[Any] | None:
-        """Every rank's picklable ``obj`` as a list on ``root``; ``None`` elsewhere."""
+        """Every rank's picklable ``obj`` as a list on ``root``; ``None`` elsewhere.
+
+        Args:
+            obj: this rank's object.
+            root: the rank that gets the list.
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Returns:
+            On ``root`` the list indexed by rank; ``None`` elsewhere.
+
+        Raises:
+            TypeError: an object cannot be pickled; raised on every rank, and the communicator stays
+                usable.
+            ShmcollError: a peer died, the call timed out or the ranks' calls differ (see
+                :meth:`allreduce`); the communicator is then broken.
+        """
         return objects.gather_object(self, obj, root, timeout=timeout)
 
     def scatter_object(self, objs: Sequence[Any] | None, root: int = 0, *, timeout: float | None = None) -> Any:
-        """Element ``j`` of root's sequence ``objs`` (``world_size`` picklable objects) to rank
-        ``j``; non-root ranks pass ``None``."""
+        """Element ``j`` of root's sequence ``objs`` to rank ``j``.
+
+        Args:
+            objs: on the root, ``world_size`` picklable objects; other ranks pass ``None``.
+            root: the rank whose sequence is scattered.
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Returns:
+            This rank's element.
+
+        Raises:
+            TypeError: an object cannot be pickled; raised on every rank, and the communicator stays
+                usable.
+            ShmcollError: a peer died, the call timed out or the ranks' calls differ (see
+                :meth:`allreduce`); the communicator is then broken.
+        """
         return objects.scatter_object(self, objs, root, timeout=timeout)
 
     def alltoall_object(self, objs: Sequence[Any], *, timeout: float | None = None) -> list[Any]:
-        """Element ``j`` of this rank's sequence ``objs`` (``world_size`` picklable objects) to
-        rank ``j``; returns the objects sent to this rank, as a list indexed by sender."""
+        """Element ``j`` of this rank's sequence ``objs`` to rank ``j``.
+
+        Args:
+            objs: ``world_size`` picklable objects, one for each rank.
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Returns:
+            The objects sent to this rank, as a list indexed by sender.
+
+        Raises:
+            TypeError: an object cannot be pickled; raised on every rank, and the communicator stays
+                usable.
+            ShmcollError: a peer died, the call timed out or the ranks' calls differ (see
+                :meth:`allreduce`); the communicator is then broken.
+        """
         return objects.alltoall_object(self, objs, timeout=timeout)
 
     def allreduce_object(
@@ -680,10 +1491,30 @@ class Communicator(Runtime):
     ) -> Any:
         """Every rank's picklable ``obj`` combined with ``op``, on every rank.
 
-        ``op`` is a :class:`~shmcoll.ReduceOp` applied with Python's operators (``+``, ``*``,
-        ``min``, ``max``, ``&``, ``|``, ``^``; ``AVG`` divides the sum by ``world_size``) or any
-        two-argument callable. Objects are combined left to right in rank order, the same way
-        on every rank, so every rank gets the same result.
+        Objects are combined left to right in rank order, the same way on every rank, so every rank
+        gets the same result.
+
+        Example::
+
+            n_seen = comm.allreduce_object(len(my_items))  # the sum over ranks
+            merged = comm.allreduce_object(my_set, lambda a, b: a | b)
+
+        Args:
+            op: a :class:`~shmcoll.ReduceOp` applied with Python's operators (``+``, ``*``, ``min``,
+                ``max``, ``&``, ``|``, ``^``; ``AVG`` divides the sum by ``world_size``), its value
+                or name, or any two-argument callable.
+            obj: this rank's object.
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Returns:
+            The combined object.
+
+        Raises:
+            TypeError: an object cannot be pickled; raised on every rank, and the communicator stays
+                usable.
+            ShmcollError: a peer died, the call timed out or the ranks' calls differ (see
+                :meth:`allreduce`); the communicator is then broken.
         """
         return objects.allreduce_object(self, obj, op, timeout=timeout)
 
@@ -695,14 +1526,52 @@ class Communicator(Runtime):
         *,
         timeout: float | None = None,
     ) -> Any:
-        """:meth:`allreduce_object` onto ``root``; ``None`` elsewhere."""
+        """:meth:`allreduce_object` onto ``root``.
+
+        Args:
+            obj: this rank's object.
+            op: as for :meth:`allreduce_object`.
+            root: the rank that gets the result.
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Returns:
+            On ``root`` the combined object; ``None`` elsewhere.
+
+        Raises:
+            TypeError: an object cannot be pickled; raised on every rank, and the communicator stays
+                usable.
+            ShmcollError: a peer died, the call timed out or the ranks' calls differ (see
+                :meth:`allreduce`); the communicator is then broken.
+        """
         return objects.reduce_object(self, obj, op, root, timeout=timeout)
 
     # --- sub-communicators --------------------------------------------------------------------
     def split(self, color: int | None, key: int | None = None, *, timeout: float | None = None) -> Communicator | None:
-        """New communicators, one per ``color``, ranked by ``(key, rank)``; collective.
+        """New communicators, one per ``color``, ranked by ``(key, rank)``; collective
+        (``MPI_Comm_split``, torch's ``new_group``).
 
-        Ranks passing ``color=None`` take part but get ``None``. Close the result when done.
+        Example::
+
+            row = comm.split(color=comm.rank // 2)  # ranks {0, 1}, {2, 3}, ...
+            row.allreduce(x)
+            row.close()
+
+        Args:
+            color: an int >= 0: ranks with the same color form one communicator. ``None``: take part
+                in the call but get no communicator.
+            key: orders the ranks of a new communicator (ties by rank); ``None``: this rank.
+            timeout: seconds this call may wait for its peers (``float("inf")``: no limit); default:
+                the communicator's :attr:`timeout`.
+
+        Returns:
+            This rank's new :class:`Communicator` (close it when done), or ``None`` for
+            ``color=None``.
+
+        Raises:
+            ValueError: a negative or non-int ``color``.
+            ShmcollError: a peer died, the call timed out, or a sub-communicator could not be
+                created (every member raises it).
         """
         return groups.split(self, color, key, timeout)  # type: ignore[no-any-return]
 
@@ -712,9 +1581,9 @@ class Communicator(Runtime):
 
         Args:
             reason: said in this rank's later errors.
-            cause: the exception this rank failed with, if that is why it aborts: the peers
-                then learn that this rank *failed* (as when a rank started by
-                :func:`shmcoll.spawn` raises), not that it called ``abort()``.
+            cause: the exception this rank failed with, if that is why it aborts: the peers then
+                learn that this rank *failed* (as when a rank started by :func:`shmcoll.spawn`
+                raises), not that it called ``abort()``.
         """
         if self._closed or self._is_forked():
             return
@@ -726,6 +1595,9 @@ class Communicator(Runtime):
 
     def close(self) -> None:
         """Leave the communicator (peers waiting on this rank will get :class:`~shmcoll.PeerLostError`).
+
+        Idempotent. ``with comm:`` closes it at the end of the block; communicators from
+        :func:`shmcoll.init` are closed at exit.
 
         In a forked child of the process that connected it, only this process's own view is
         dropped: the peers and the parent are not told anything.

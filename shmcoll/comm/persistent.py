@@ -1,0 +1,271 @@
+"""Persistent collectives, as MPI-4 has them: checked and planned once, started many times.
+
+``req = comm.allreduce_init(x, op)`` makes every check of :meth:`Communicator.allreduce` and
+finds its call shape once, without communicating; then each ``req.start()`` starts the same call
+on the same buffers (a nonblocking operation, queued like the ``i``-forms), and ``req.wait()``
+returns what the blocking call returns. A request may be started again once its ``wait()`` has
+returned (or ``test()`` returned True). Every rank starts its persistent requests in the same
+order as its other operations, as for the ``i``-forms.
+
+The buffers belong to the request while it is started; between a ``wait()`` and the next
+``start()`` the caller may read the output and write new input into the same arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from shmcoll import collectives, config
+from shmcoll.comm import bind
+from shmcoll.comm.requests import Request
+from shmcoll.comm.runtime import Runtime
+from shmcoll.types import ReduceOp
+
+Counts = Sequence[int] | np.ndarray
+_BY = collectives.BY_NAME
+
+
+class Persistent:
+    """A collective bound once; :meth:`start` runs it again, :meth:`wait` completes it."""
+
+    __slots__ = ("_rt", "_bound", "_timeout", "what", "_active")
+
+    def __init__(self, rt: Any, bound: Any, timeout: float | None, what: str) -> None:
+        self._rt = rt
+        self._bound = bound
+        self._timeout = timeout
+        self.what = what
+        self._active: Request | None = None
+
+    def __repr__(self) -> str:
+        state = "inactive" if self._active is None or self._active.done else "started"
+        return f"<shmcoll.Persistent {self.what} ({state})>"
+
+    def start(self) -> None:
+        """Start the call (returns at once); raises RuntimeError if it is started already."""
+        active = self._active
+        if active is not None and not active.done:
+            raise RuntimeError(f"{self.what} is started already: wait() for it before starting it again")
+        self._active = self._rt._start(self._bound, self._timeout, self.what)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Wait until the started call completes; returns what the blocking call returns.
+
+        Raises:
+            RuntimeError: the request was never started.
+            ShmcollError: what the blocking call would have raised.
+            TimeoutError: ``timeout`` elapsed first (the call goes on).
+        """
+        if self._active is None:
+            raise RuntimeError(f"{self.what} was never started: call start() first")
+        return self._active.wait(timeout)
+
+    def test(self) -> bool:
+        """Whether the started call has completed, without blocking; raises its error if it failed."""
+        if self._active is None:
+            raise RuntimeError(f"{self.what} was never started: call start() first")
+        return self._active.test()
+
+    @property
+    def done(self) -> bool:
+        """Whether the last start has completed (True before the first start)."""
+        return self._active is None or self._active.done
+
+
+class PersistentForms(Runtime):
+    """The ``*_init`` methods of :class:`~shmcoll.Communicator` (each takes the arguments of its
+    blocking method and returns a :class:`Persistent`; variable counts must be given)."""
+
+    def _persistent(self, b: Any, timeout: float | None, what: str) -> Persistent:
+        if timeout is not None:
+            config.timeout_s(timeout)
+        return Persistent(self, b, timeout, what)
+
+    def allreduce_init(
+        self,
+        x: np.ndarray,
+        op: ReduceOp | int | str = ReduceOp.SUM,
+        *,
+        out: np.ndarray | None = None,
+        algorithm: str = "auto",
+        timeout: float | None = None,
+    ) -> Persistent:
+        """A persistent :meth:`allreduce` (``start()``/``wait()``; see :mod:`shmcoll.comm.persistent`)."""
+        b = bind.elementwise(self, _BY["allreduce"], x, out, op, 0, algorithm)
+        return self._persistent(b, timeout, "allreduce_init")
+
+    def reduce_init(
+        self,
+        x: np.ndarray,
+        root: int = 0,
+        op: ReduceOp | int | str = ReduceOp.SUM,
+        *,
+        out: np.ndarray | None = None,
+        algorithm: str = "auto",
+        timeout: float | None = None,
+    ) -> Persistent:
+        """A persistent :meth:`reduce`."""
+        b = bind.elementwise(self, _BY["reduce"], x, out, op, root, algorithm)
+        return self._persistent(b, timeout, "reduce_init")
+
+    def broadcast_init(
+        self,
+        x: np.ndarray,
+        root: int = 0,
+        *,
+        out: np.ndarray | None = None,
+        algorithm: str = "auto",
+        timeout: float | None = None,
+    ) -> Persistent:
+        """A persistent :meth:`broadcast`."""
+        b = bind.elementwise(self, _BY["broadcast"], x, out, None, root, algorithm)
+        return self._persistent(b, timeout, "broadcast_init")
+
+    def allgather_init(
+        self, x: np.ndarray, *, out: np.ndarray | None = None, algorithm: str = "auto", timeout: float | None = None
+    ) -> Persistent:
+        """A persistent :meth:`allgather`."""
+        b = bind.gathering(self, _BY["allgather"], x, out, 0, algorithm)
+        return self._persistent(b, timeout, "allgather_init")
+
+    def gather_init(
+        self,
+        x: np.ndarray,
+        root: int = 0,
+        *,
+        out: np.ndarray | None = None,
+        algorithm: str = "auto",
+        timeout: float | None = None,
+    ) -> Persistent:
+        """A persistent :meth:`gather`."""
+        b = bind.gathering(self, _BY["gather"], x, out, root, algorithm)
+        return self._persistent(b, timeout, "gather_init")
+
+    def scatter_init(
+        self,
+        x: np.ndarray | None,
+        root: int = 0,
+        *,
+        out: np.ndarray | None = None,
+        algorithm: str = "auto",
+        timeout: float | None = None,
+    ) -> Persistent:
+        """A persistent :meth:`scatter`."""
+        b = bind.scattering(self, _BY["scatter"], x, out, None, root, algorithm)
+        return self._persistent(b, timeout, "scatter_init")
+
+    def reduce_scatter_init(
+        self,
+        x: np.ndarray,
+        op: ReduceOp | int | str = ReduceOp.SUM,
+        counts: Counts | None = None,
+        *,
+        out: np.ndarray | None = None,
+        algorithm: str = "auto",
+        timeout: float | None = None,
+    ) -> Persistent:
+        """A persistent :meth:`reduce_scatter` (equal blocks, or ``counts`` per rank)."""
+        if counts is None:
+            b = bind.scattering(self, _BY["reduce_scatter"], x, out, op, 0, algorithm)
+        else:
+            b = bind.varying(self, _BY["reduce_scatterv"], x, out, counts, op, 0, algorithm)
+        return self._persistent(b, timeout, "reduce_scatter_init")
+
+    def alltoall_init(
+        self, x: np.ndarray, *, out: np.ndarray | None = None, algorithm: str = "auto", timeout: float | None = None
+    ) -> Persistent:
+        """A persistent :meth:`alltoall`."""
+        b = bind.elementwise(self, _BY["alltoall"], x, out, None, 0, algorithm)
+        return self._persistent(b, timeout, "alltoall_init")
+
+    def allgatherv_init(
+        self,
+        x: np.ndarray,
+        counts: Counts,
+        *,
+        out: np.ndarray | None = None,
+        algorithm: str = "auto",
+        timeout: float | None = None,
+    ) -> Persistent:
+        """A persistent :meth:`allgatherv` (``counts`` required: learning them communicates)."""
+        if counts is None:
+            raise ValueError("allgatherv_init: counts is required (allgatherv learns them by communicating)")
+        b = bind.varying(self, _BY["allgatherv"], x, out, counts, None, 0, algorithm)
+        return self._persistent(b, timeout, "allgatherv_init")
+
+    def gatherv_init(
+        self,
+        x: np.ndarray,
+        counts: Counts | None = None,
+        root: int = 0,
+        *,
+        out: np.ndarray | None = None,
+        algorithm: str = "auto",
+        timeout: float | None = None,
+    ) -> Persistent:
+        """A persistent :meth:`gatherv`."""
+        b = bind.varying(self, _BY["gatherv"], x, out, counts, None, root, algorithm)
+        return self._persistent(b, timeout, "gatherv_init")
+
+    def scatterv_init(
+        self,
+        x: np.ndarray | None,
+        counts: Counts | None = None,
+        root: int = 0,
+        *,
+        out: np.ndarray | None = None,
+        algorithm: str = "auto",
+        timeout: float | None = None,
+    ) -> Persistent:
+        """A persistent :meth:`scatterv`."""
+        b = bind.varying(self, _BY["scatterv"], x, out, counts, None, root, algorithm)
+        return self._persistent(b, timeout, "scatterv_init")
+
+    def alltoallv_init(
+        self,
+        x: np.ndarray,
+        send_counts: Counts,
+        recv_counts: Counts,
+        *,
+        out: np.ndarray | None = None,
+        algorithm: str = "auto",
+        timeout: float | None = None,
+    ) -> Persistent:
+        """A persistent :meth:`alltoallv` (``recv_counts`` required)."""
+        if recv_counts is None:
+            raise ValueError("alltoallv_init: recv_counts is required (alltoallv learns them by communicating)")
+        b = bind.varying(self, _BY["alltoallv"], x, out, send_counts, None, 0, algorithm, recv_counts)
+        return self._persistent(b, timeout, "alltoallv_init")
+
+    def scan_init(
+        self,
+        x: np.ndarray,
+        op: ReduceOp | int | str = ReduceOp.SUM,
+        *,
+        out: np.ndarray | None = None,
+        algorithm: str = "auto",
+        timeout: float | None = None,
+    ) -> Persistent:
+        """A persistent :meth:`scan`."""
+        b = bind.elementwise(self, _BY["scan"], x, out, op, 0, algorithm)
+        return self._persistent(b, timeout, "scan_init")
+
+    def exscan_init(
+        self,
+        x: np.ndarray,
+        op: ReduceOp | int | str = ReduceOp.SUM,
+        *,
+        out: np.ndarray | None = None,
+        algorithm: str = "auto",
+        timeout: float | None = None,
+    ) -> Persistent:
+        """A persistent :meth:`exscan`."""
+        b = bind.elementwise(self, _BY["exscan"], x, out, op, 0, algorithm)
+        return self._persistent(b, timeout, "exscan_init")
+
+    def barrier_init(self, *, timeout: float | None = None) -> Persistent:
+        """A persistent :meth:`barrier`."""
+        return self._persistent(bind.barrier(self), timeout, "barrier_init")

@@ -1,0 +1,104 @@
+"""Persistent collectives: bound once, started again and again on new data in the same buffers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import shmcoll
+
+
+def _every_init_form_repeats_its_blocking_form(comm):  # type: ignore[no-untyped-def]
+    n, r = comm.world_size, comm.rank
+    x = np.zeros((4, 3), np.int64)
+    blocks = np.zeros((n, 3), np.int64)
+    counts = [j % 3 for j in range(n)]
+    recv = [counts[r]] * n
+    v = np.zeros(counts[r], np.int64)
+    flat = np.zeros(sum(counts), np.int64)
+    scat_out, scatv_out = np.empty(3, np.int64), np.empty(counts[r], np.int64)
+
+    def fill(k: int) -> None:  # new input in the same arrays before every start
+        x[...] = (np.arange(12).reshape(4, 3) + r) * (k + 1)
+        blocks[...] = np.arange(n * 3).reshape(n, 3) * (r + 1) + k
+        v[...] = np.arange(counts[r]) + 10 * r + k
+        flat[...] = np.arange(sum(counts)) * (r + 1) - k
+
+    pairs = [
+        (lambda: comm.allreduce(x.copy(), "sum"), comm.allreduce_init(x, "sum", out=np.empty_like(x))),
+        (lambda: comm.reduce(x.copy(), root=n - 1, op="max"), comm.reduce_init(x, root=n - 1, op="max")),
+        (lambda: comm.broadcast(x.copy(), root=0), comm.broadcast_init(x, root=0, out=np.empty_like(x))),
+        (lambda: comm.allgather(x), comm.allgather_init(x)),
+        (lambda: comm.gather(x, root=0), comm.gather_init(x, root=0)),
+        (
+            lambda: comm.scatter(blocks if r == 0 else None, root=0, out=np.empty(3, np.int64)),
+            comm.scatter_init(blocks if r == 0 else None, root=0, out=scat_out),
+        ),
+        (lambda: comm.reduce_scatter(blocks.reshape(-1)), comm.reduce_scatter_init(blocks.reshape(-1))),
+        (lambda: comm.alltoall(blocks), comm.alltoall_init(blocks)),
+        (lambda: comm.barrier(), comm.barrier_init()),
+        (lambda: comm.scan(x.copy(), "sum"), comm.scan_init(x, "sum", out=np.empty_like(x))),
+        (lambda: comm.exscan(x.copy(), "max"), comm.exscan_init(x, "max", out=np.empty_like(x))),
+        (lambda: comm.allgatherv(v, counts), comm.allgatherv_init(v, counts)),
+        (lambda: comm.gatherv(v, counts, root=n - 1), comm.gatherv_init(v, counts, root=n - 1)),
+        (
+            lambda: comm.scatterv(flat if r == 0 else None, counts, out=np.empty(counts[r], np.int64)),
+            comm.scatterv_init(flat if r == 0 else None, counts, out=scatv_out),
+        ),
+        (lambda: comm.reduce_scatter(flat, "sum", counts), comm.reduce_scatter_init(flat, "sum", counts)),
+        (lambda: comm.alltoallv(flat, counts, recv), comm.alltoallv_init(flat, counts, recv)),
+    ]
+    for k in range(3):
+        for blocking, persistent in pairs:
+            fill(k)
+            want = blocking()
+            want = None if want is None else np.array(want)
+            persistent.start()
+            got = persistent.wait()
+            if want is None:
+                assert got is None, persistent.what
+            else:
+                np.testing.assert_array_equal(got, want, err_msg=f"{persistent.what} start {k}")
+    return True
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_every_init_form_gives_the_blocking_result_at_every_start(pools, world_size) -> None:  # type: ignore[no-untyped-def]
+    assert pools.get(world_size).run(_every_init_form_repeats_its_blocking_form) == [True] * world_size
+
+
+def _rules(comm):  # type: ignore[no-untyped-def]
+    x = np.ones(10)
+    req = comm.allreduce_init(x)
+    assert isinstance(req, shmcoll.Persistent) and req.done
+    errors = []
+    for bad in (req.wait, req.test):
+        try:
+            bad()
+        except RuntimeError as exc:
+            errors.append("never started" in str(exc))
+    req.start()
+    try:
+        req.start()  # started twice without a wait
+    except RuntimeError as exc:
+        errors.append("started already" in str(exc))
+    req.wait()
+    req.start()  # ... and again after it
+    out = req.wait()
+    for bad_call in (
+        lambda: comm.allreduce_init(np.ones((4, 4)).T),  # not contiguous: refused at init
+        lambda: comm.allreduce_init(x, timeout=-1),
+        lambda: comm.allgatherv_init(x, None),
+    ):
+        try:
+            bad_call()
+            errors.append(False)
+        except (ValueError, TypeError):
+            errors.append(True)
+    comm.barrier()  # still usable: refused inits never communicated
+    return errors, out.tolist()
+
+
+def test_persistent_request_rules(pools) -> None:  # type: ignore[no-untyped-def]
+    n = 2
+    assert pools.get(n).run(_rules) == [([True] * 6, [float(n**2)] * 10)] * n
