@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+from typing import Any
 
 import click
 
 from shmcoll._version import __version__
-from shmcoll.cli.plan import plan
+from shmcoll.cli.plan import check_name, plan
 from shmcoll.cli.simulate import simulate
 from shmcoll.cli.train import train
 from shmcoll.cli.tune import tune
@@ -38,9 +40,65 @@ def main() -> None:
     """Collective communication for processes on one machine, over shared memory."""
 
 
-# --- bench --------------------------------------------------------------------------------------
+# --- bench ---------------------------------------------------------------------------------------
+def _output(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """An output file, checked before the sweep (a bad path must not cost a whole run): ``-`` is
+    stdout, else a file that can be created or overwritten."""
+    if value is None or value == "-":
+        return value
+    path = os.path.abspath(value)
+    folder = os.path.dirname(path)
+    if os.path.isdir(path):
+        raise click.BadParameter(f"{value!r} is a directory")
+    if not os.path.isdir(folder):
+        raise click.BadParameter(f"{value!r}: the directory {folder} does not exist")
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        raise click.BadParameter(f"{value!r}: not writable")
+    return value
+
+
+def _stderr_is_tty() -> bool:
+    return click.get_text_stream("stderr").isatty()
+
+
+class _Live:
+    """bench's terminal while the sweep runs: table lines as they are measured, on stdout (or
+    stderr, when stdout carries the JSON or CSV), under a progress line on stderr."""
+
+    def __init__(self, table_err: bool, progress: bool) -> None:
+        self.table_err = table_err
+        self.progress = progress
+        self.bar: Any = None  # a bench.Progress once the sweep is known
+        self.lock = threading.Lock()  # rows and progress come from bench.run's reading thread
+
+    def echo(self, line: str) -> None:
+        with self.lock:
+            if self.bar is not None:
+                self.bar.clear()
+            click.echo(line, err=self.table_err)
+            if self.bar is not None:
+                self.bar.redraw()
+
+    def point(self, index: int, point: Any) -> None:
+        with self.lock:
+            if self.bar is not None:
+                self.bar.point(index)
+
+    def close(self) -> None:
+        with self.lock:
+            if self.bar is not None:
+                self.bar.clear()
+                self.bar = None
+
+
 @main.command()
-@click.option("-n", "--nprocs", type=int, default=None, help="Ranks to start (default: min(4, cores), at least 2).")
+@click.option(
+    "-n",
+    "--nprocs",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Ranks to start, >= 1 (default: min(4, cores), at least 2).",
+)
 @click.option(
     "-c", "--collective", default="allreduce", show_default=True, help="A collective, a comma-separated list, or 'all'."
 )
@@ -58,22 +116,35 @@ def main() -> None:
 @click.option(
     "--op", default="sum", show_default=True, help="Reduction op (sum, prod, min, max, avg, band, bor, bxor)."
 )
-@click.option("--root", type=int, default=0, show_default=True, help="Root of rooted collectives.")
-@click.option("--iters", type=int, default=20, show_default=True, help="Timed iterations per size.")
-@click.option("--warmup", type=int, default=5, show_default=True, help="Untimed iterations per size.")
+@click.option("--root", type=click.IntRange(min=0), default=0, show_default=True, help="Root of rooted collectives.")
+@click.option("--iters", type=click.IntRange(min=1), default=20, show_default=True, help="Timed iterations per size.")
+@click.option("--warmup", type=click.IntRange(min=0), default=5, show_default=True, help="Untimed iterations per size.")
 @click.option("--check/--no-check", default=True, show_default=True, help="Count wrong result elements.")
 @click.option("--in-place", "mode", flag_value="in-place", help="Only in-place calls.")
 @click.option("--out-of-place", "mode", flag_value="out-of-place", help="Only out-of-place calls.")
 @click.option("--both", "mode", flag_value="both", default=True, help="Both (default).")
 @click.option("--registered", is_flag=True, help="Use buffers from comm.alloc (zero-copy shared memory).")
 @click.option("--stats", is_flag=True, help="Also print p10/p90 times.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the rows as JSON.")
-@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="Write the rows as CSV.")
 @click.option(
-    "--plot", "plot_path", type=click.Path(dir_okay=False), help="Plot busbw vs size to a PNG (needs the plot extra)."
+    "--json",
+    "json_path",
+    callback=_output,
+    help="Write the rows and the parameters as JSON to this file; '-': to stdout (the table then goes to stderr).",
+)
+@click.option(
+    "--csv",
+    "csv_path",
+    callback=_output,
+    help="Write the rows as CSV to this file; '-': to stdout (the table then goes to stderr).",
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    callback=_output,
+    help="Plot busbw vs size to a PNG, every mode measured (needs matplotlib: the plot extra).",
 )
 @click.option("--inject-error", is_flag=True, hidden=True, help="Corrupt one result element (tests #wrong).")
-@click.option("--quiet", is_flag=True, help="No progress line on stderr.")
+@click.option("--quiet", is_flag=True, help="No progress line (drawn only when stderr is a terminal).")
 def bench(
     nprocs,
     collective,
@@ -96,14 +167,25 @@ def bench(
     inject_error,
     quiet,
 ) -> None:
-    """Bandwidth and latency sweep, printed as nccl-tests' table.
+    """Bandwidth and latency sweep, printed as nccl-tests' table, a line as soon as it is measured.
 
     With no options: allreduce of float32 from 8 B to 64 MiB on min(4, cores) ranks.
-    Exits non-zero if any result element is wrong.
+    Exits 1 if any result element is wrong; on Ctrl-C, prints and writes the rows measured so
+    far and exits 130.
     """
     from shmcoll import bench
+    from shmcoll.algos.registry import ALGORITHM_NAMES
 
+    if json_path == "-" and csv_path == "-":
+        raise click.UsageError("--json - and --csv - would both write to stdout; send one to a file")
+    if plot_path == "-":
+        raise click.BadParameter("a PNG cannot go to stdout; give a file name", param_hint="--plot")
     collectives = bench.BENCH_COLLECTIVES if collective == "all" else _csv(collective)
+    for c in collectives:
+        check_name("collective", c, bench.BENCH_COLLECTIVES, "--collective")
+    for a in _csv(algorithm):
+        if a not in ("auto", "all"):
+            check_name("algorithm", a, ("auto", "all", *ALGORITHM_NAMES), "--algorithm")
     modes = ("out-of-place", "in-place") if mode in (None, "both") else (mode,)
     cfg = bench.BenchConfig(
         collectives=tuple(collectives),
@@ -132,9 +214,20 @@ def bench(
             import matplotlib  # noqa: F401
         except ImportError:
             raise click.UsageError("--plot needs matplotlib: pip install 'shmcoll[plot]'") from None
-    rows = bench.run(cfg)
-    click.echo(bench.format_table(rows, stats=stats))
-    meta = {"nprocs": cfg.nprocs, "cores": len(os.sched_getaffinity(0)), "version": __version__}
+    live = _Live(table_err="-" in (json_path, csv_path), progress=not quiet and _stderr_is_tty())
+    meta = bench.describe(cfg)
+    live.echo(bench.format_header(meta))
+    table = bench.Table.of(cfg, live.echo, stats=stats)
+    if live.progress:
+        live.bar = bench.Progress(bench.points(cfg, cfg.nprocs), click.get_text_stream("stderr"))
+    try:
+        rows = bench.run(cfg, on_point=live.point, on_rows=table.add)
+        interrupted = False
+    except bench.Interrupted as exc:
+        rows, interrupted = exc.rows, True
+    live.close()
+    table.finish(f"Interrupted: {len(rows)} of {table.total} rows measured" if interrupted else "")
+    meta["interrupted"] = interrupted
     if json_path:
         bench.write_json(rows, json_path, meta)
     if csv_path:
@@ -143,7 +236,10 @@ def bench(
         series: dict[str, list] = {}  # type: ignore[type-arg]
         for r in rows:
             series.setdefault(f"{r.collective} {r.algorithm}", []).append(r)
-        bench.plot(series, plot_path, title=f"shmcoll, {cfg.nprocs} ranks, {cfg.dtype}")
+        bench.plot(series, plot_path, title=f"shmcoll bench, {cfg.nprocs} ranks, {cfg.dtype}")
+    if interrupted:
+        click.echo(f"shmcoll bench: interrupted; kept the {len(rows)} row(s) measured", err=True)
+        sys.exit(130)
     if any(r.wrong > 0 for r in rows):
         sys.exit(1)
 
@@ -152,30 +248,57 @@ def bench(
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("-n", "--nprocs", type=int, required=True, help="Number of ranks.")
 @click.option("-m", "--module", default=None, help="Run a module (like python -m) instead of a script.")
+@click.option(
+    "--tag-output/--no-tag-output",
+    default=True,
+    show_default=True,
+    help="Prefix each line a rank prints with [rank N] (like mpirun --tag-output).",
+)
 @click.option("--timeout", type=float, default=None, help="Kill every rank after this many seconds.")
 @click.option("--comm-timeout", type=float, default=None, help="Each collective's timeout (SHMCOLL_TIMEOUT).")
 @click.option("--slot-bytes", type=SIZE, default=None, help="Ring slot payload size.")
 @click.option("--nslots", type=int, default=None, help="Slots per ring.")
-@click.argument("argv", nargs=-1, type=click.UNPROCESSED)
-def run(nprocs, module, timeout, comm_timeout, slot_bytes, nslots, argv) -> None:  # type: ignore[no-untyped-def]
-    """Run SCRIPT [ARGS] as NPROCS ranks; each calls shmcoll.init().
+@click.argument("argv", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT.py|PROGRAM [ARGS]...")
+def run(nprocs, module, tag_output, timeout, comm_timeout, slot_bytes, nslots, argv) -> None:  # type: ignore[no-untyped-def]
+    """Run a Python script, module or any program as NPROCS ranks.
 
-    Exits with the first failing rank's code (128 + signal if it was killed).
+    \b
+      shmcoll run -n 4 train.py --lr 0.1      python train.py, 4 times
+      shmcoll run -n 4 -m pkg.mod             python -m pkg.mod
+      shmcoll run -n 4 -- python -m pkg.mod   any program, after --
+      shmcoll run -n 2 -- /bin/echo hi
+
+    Each rank gets SHMCOLL_RANK, SHMCOLL_WORLD_SIZE and SHMCOLL_HANDLE (for
+    shmcoll.init()), torchrun's RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+    MASTER_ADDR and MASTER_PORT, and OMP_NUM_THREADS=1 unless it is set. Each line
+    of a rank's stdout and stderr is prefixed "[rank N] ".
+
+    Exits with the first failing rank's code (128 + signal if it was killed), 124
+    after --timeout, 127 if the script or program does not exist.
     """
     from shmcoll.launch import run_script
 
     if module:
         argv = ("-m", module, *argv)
     if not argv:
-        raise click.UsageError("give a script (or -m MODULE) to run")
+        raise click.UsageError("give a script, -m MODULE, or -- PROGRAM [ARGS] to run")
     if nprocs < 1:
         raise click.UsageError("--nprocs must be >= 1")
     from shmcoll.errors import ShmcollError
 
     try:
         code = run_script(
-            nprocs, list(argv), timeout=timeout, comm_timeout=comm_timeout, slot_bytes=slot_bytes, nslots=nslots
+            nprocs,
+            list(argv),
+            timeout=timeout,
+            comm_timeout=comm_timeout,
+            slot_bytes=slot_bytes,
+            nslots=nslots,
+            tag_output=tag_output,
         )
+    except FileNotFoundError as exc:
+        click.echo(f"shmcoll run: {exc}", err=True)
+        sys.exit(127)  # the shell's code for a command not found
     except (ShmcollError, ValueError, TypeError) as exc:
         click.echo(f"shmcoll run: {exc}", err=True)
         sys.exit(1)

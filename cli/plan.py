@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import sys
+from collections.abc import Sequence
 
 import click
 
@@ -21,6 +23,30 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
 
 def _csv(value: str | None) -> tuple[str, ...]:
     return tuple(v.strip() for v in (value or "").split(",") if v.strip())
+
+
+def check_name(kind: str, name: str, choices: Sequence[str], hint: str | None = None) -> None:
+    """A usage error (exit 2) unless ``name`` is one of ``choices``: "unknown collective
+    'allreduc'; did you mean 'allreduce'?", then the choices."""
+    if name in choices:
+        return
+    close = difflib.get_close_matches(name, choices, n=1)
+    guess = f"; did you mean {close[0]!r}?" if close else ""
+    raise click.BadParameter(f"unknown {kind} {name!r}{guess} (one of: {', '.join(choices)})", param_hint=hint)
+
+
+def check_algorithm(collective: str, name: str, hint: str | None = "--algorithm") -> None:
+    """A usage error unless ``name`` is an algorithm registered for ``collective``: a typo gets a
+    suggestion, an algorithm that exists but does not serve ``collective`` says so."""
+    from shmcoll.algos import registry
+    from shmcoll.algos.registry import ALGORITHM_NAMES
+
+    served = [a.name for a in registry.algorithms(collective)]
+    if name in ALGORITHM_NAMES and name not in served:
+        raise click.BadParameter(
+            f"algorithm {name!r} does not serve {collective} (its algorithms: {', '.join(served)})", param_hint=hint
+        )
+    check_name("algorithm", name, served if name in served else ALGORITHM_NAMES, hint)
 
 
 def _world_sizes(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
@@ -68,6 +94,8 @@ def show(collective, algorithm, world_size, count, root, slot_bytes, dtype, in_p
     from shmcoll.algos.registry import Query
     from shmcoll.plan.passes import plan_call
 
+    check_name("collective", collective, collectives.COLLECTIVES, "COLLECTIVE")
+    check_algorithm(collective, algorithm)
     try:
         itemsize = np.dtype(dtype).itemsize
     except TypeError:
@@ -81,10 +109,7 @@ def show(collective, algorithm, world_size, count, root, slot_bytes, dtype, in_p
     if group_size is not None and group_size < 1:
         raise click.BadParameter("must be >= 1", param_hint="--group-size")
     options = None if group_size is None else {"group_size": group_size}
-    try:
-        alg = registry.get(collective, algorithm)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
+    alg = registry.get(collective, algorithm)
     reason = alg.supports(Query(collective, world_size, count, itemsize, root=root, inplace=in_place))
     if reason is not None:
         raise click.UsageError(f"{collective}/{algorithm} cannot serve this call: {reason}")
@@ -233,10 +258,11 @@ def verify(everything, collective, algorithm, world_sizes, nslots, group_size) -
     if not slots or min(slots) < 1:
         raise click.BadParameter("slots per ring must be >= 1", param_hint="--nslots")
     collectives, algorithms = _csv(collective), _csv(algorithm)
-    known = {a.collective for a in registry.algorithms()}
+    known = sorted({a.collective for a in registry.algorithms()})
     for c in collectives:
-        if c not in known:
-            raise click.UsageError(f"no algorithm registered for {c!r}; registered: {', '.join(sorted(known))}")
+        check_name("collective", c, known, "--collective")
+    for a in algorithms:
+        check_name("algorithm", a, sorted({a.name for a in registry.algorithms()}), "--algorithm")
     selected = [
         a
         for a in registry.algorithms()

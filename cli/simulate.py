@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from shmcoll.units import parse_bandwidth, parse_size, parse_time
+from shmcoll.units import format_size, parse_bandwidth, parse_size, parse_time
 
 
 def _csv(value: str) -> tuple[str, ...]:
@@ -66,7 +66,9 @@ def names_shown(rows) -> list[str]:  # type: ignore[no-untyped-def]
 @click.option("--limit", type=int, default=None, help="Simulate plans exactly up to this many ranks (default 128).")
 @click.option("--markdown", is_flag=True, help="Print a markdown table.")
 @click.option("--closed-forms", is_flag=True, help="Also print each algorithm's fitted closed form.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Plot time vs ranks to a PNG.")
+@click.option(
+    "--plot", "plot_path", type=click.Path(dir_okay=False), help="Plot time vs ranks to a PNG, a panel per size."
+)
 def simulate(  # type: ignore[no-untyped-def]
     collective,
     algorithm,
@@ -96,7 +98,15 @@ def simulate(  # type: ignore[no-untyped-def]
     from shmcoll import sim
     from shmcoll.algos import registry
     from shmcoll.algos.closed_forms import closed_form
+    from shmcoll.algos.registry import ALGORITHM_NAMES
+    from shmcoll.cli.plan import check_name
+    from shmcoll.collectives import COLLECTIVES
     from shmcoll.plan.cost import EXACT_LIMIT, CostModel
+
+    check_name("collective", collective, COLLECTIVES, "--collective")
+    if algorithm != "all":
+        for name in _csv(algorithm):  # (a real one that does not serve the collective is a note)
+            check_name("algorithm", name, ALGORITHM_NAMES, "--algorithm")
 
     try:
         model = CostModel(
@@ -135,7 +145,7 @@ def simulate(  # type: ignore[no-untyped-def]
         raise click.UsageError(str(exc)) from None
     lim = limit or EXACT_LIMIT
     head = (
-        f"{collective}, {dtype}, {model.describe()}, slot {slot_bytes}; "
+        f"{collective}, {dtype}, {model.describe()}, slot {format_size(slot)}; "
         f"plans simulated up to {lim} ranks, closed forms above"
     )
     click.echo(("**" + head + "**\n") if markdown else f"# {head}")

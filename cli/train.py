@@ -25,7 +25,13 @@ def train() -> None:
 
 
 @train.command()
-@click.option("-n", "--nprocs", type=int, default=None, help="Ranks (data-parallel replicas). Default: min(4, cores).")
+@click.option(
+    "-n",
+    "--nprocs",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Ranks (data-parallel replicas), >= 1. Default: min(4, cores).",
+)
 @click.option("--epochs", type=int, default=3, show_default=True, help="Passes over the training set.")
 @click.option("--batch-size", type=int, default=128, show_default=True, help="Global batch, split across the ranks.")
 @click.option("--lr", type=float, default=0.05, show_default=True, help="Learning rate.")

@@ -10,7 +10,8 @@ SHMCOLL_TIMEOUT             seconds a collective may wait for its peers (inf: no
 SHMCOLL_SLOT_BYTES          payload bytes of one ring slot (K/M suffixes)                64K
 SHMCOLL_NSLOTS              slots per ring                                               4
 SHMCOLL_SPIN                microseconds of busy-waiting before yielding                auto
-SHMCOLL_DEBUG               log level of the ``shmcoll`` logger: INFO, TRACE, DEBUG     (off)
+SHMCOLL_DEBUG               log level of the ``shmcoll`` logger: TRACE, DEBUG, INFO,    (off)
+                            WARNING or ERROR (any case; anything else is an error)
 SHMCOLL_ALGO                algorithm overrides, e.g. ``allreduce:ring,broadcast:dbtree``
 SHMCOLL_GROUP_SIZE          ranks per group for the hierarchical algorithm               topology
 SHMCOLL_TUNE_FILE           the table written by ``shmcoll tune``                       cache dir
@@ -74,6 +75,17 @@ class Config:
     token_log: str = ""
 
 
+# The levels SHMCOLL_DEBUG may name, most verbose first (TRACE is shmcoll's own, below DEBUG).
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def _log_level(value: str) -> str:
+    level = value.strip().upper()
+    if level and level not in LOG_LEVELS:
+        raise ValueError(f"SHMCOLL_DEBUG must be one of {', '.join(LOG_LEVELS)} (or empty: off), got {value!r}")
+    return level
+
+
 def _int_or_none(value: str | None, name: str) -> int | None:
     if value is None or value.strip() == "" or value.strip().lower() == "auto":
         return None
@@ -97,7 +109,7 @@ def load(env: Mapping[str, str] | None = None) -> Config:
         slot_bytes=parse_size(e.get("SHMCOLL_SLOT_BYTES", "") or Config.slot_bytes),
         nslots=_int_or_none(e.get("SHMCOLL_NSLOTS"), "SHMCOLL_NSLOTS") or Config.nslots,
         spin=_int_or_none(e.get("SHMCOLL_SPIN"), "SHMCOLL_SPIN"),
-        debug=e.get("SHMCOLL_DEBUG", "").strip().upper(),
+        debug=_log_level(e.get("SHMCOLL_DEBUG", "")),
         algo=e.get("SHMCOLL_ALGO", "").strip(),
         group_size=_int_or_none(e.get("SHMCOLL_GROUP_SIZE"), "SHMCOLL_GROUP_SIZE"),
         tune_file=e.get("SHMCOLL_TUNE_FILE") or os.path.join(cache_dir, "tune.json"),

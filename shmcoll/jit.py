@@ -8,10 +8,17 @@ stale kernel can never run.
 
 Numba picks a function's cache directory when it is decorated (``config.CACHE_DIR`` at that
 moment), so :func:`jit` sets it just for the decoration and leaves the user's own setting alone.
+
+A compile (a cache miss) takes seconds per engine dtype, during which a first run would print
+nothing and look hung; so a compile says so on stderr, and processes that miss the cache
+together compile one at a time, so that the others load what the first compiled instead of all
+compiling it at once (:class:`_Announcer`). Loads from the cache say nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import sys
@@ -20,6 +27,7 @@ from typing import Any, TypeVar
 
 import numba
 import numpy as np
+from numba.core import event, types
 
 from shmcoll import config
 from shmcoll._version import __version__
@@ -57,6 +65,118 @@ SOURCE_KEY = _source_key()
 CACHE_DIR = os.path.join(config.get().cache_dir, "numba", SOURCE_KEY)
 
 
+# What one compile of a kind costs on a 2-core machine (measured with an empty cache): the engine
+# for one dtype (5 to 6 s each), or the small control kernels. "About" is all it claims.
+ENGINE_COMPILE_S = 5
+CONTROL_COMPILE_S = 1
+
+
+class _Retry(Exception):
+    """Raised out of a compile that waited for another process's: look in the cache again."""
+
+
+class _Announcer(event.Listener):
+    """Makes shmcoll's compiles say so on stderr, one process at a time.
+
+    Numba raises ``numba:compile`` only on a cache miss, for the function called and again for
+    every callee it compiles on the way; only the outermost of shmcoll's own counts. Ranks start
+    together and miss the cache together; compiling the same kernels at once would cost n times
+    the work on cores they share. So a compile first takes a lock file in :data:`CACHE_DIR`: the
+    process that gets it at once compiles, says so (unless a marker in the cache directory says
+    that kind was announced before), and holds the lock until numba has saved the result; a
+    process that finds it taken waits for it, then raises :class:`_Retry`, and :func:`jit`'s
+    dispatchers call numba again, which now finds the kernel in the cache if that was the one
+    compiled. Loads from the cache never touch the lock. An unusable cache directory means no
+    lock (and no cache either).
+    """
+
+    def __init__(self) -> None:
+        self.ours: set[int] = set()  # ids of the dispatchers :func:`jit` made (they live forever)
+        self.depth = 0  # compiles run under numba's global compiler lock: one thread at a time
+        self.lock: int | None = None  # the lock file's descriptor while this process compiles
+        self.kind: str | None = None  # what the compile under way is for (see :func:`payload_dtype`)
+
+    def on_start(self, ev: event.Event) -> None:
+        if id(ev.data["dispatcher"]) not in self.ours:
+            return
+        self.depth += 1
+        if self.depth > 1:
+            return
+        try:
+            os.makedirs(CACHE_DIR, exist_ok=True)
+            fd = os.open(os.path.join(CACHE_DIR, "compile.lock"), os.O_CREAT | os.O_RDWR, 0o666)
+        except OSError:
+            fd = -1
+        if fd >= 0:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # another process compiles: wait for it to finish
+                os.close(fd)
+                raise _Retry() from None
+            self.lock = fd
+        dispatcher = ev.data["dispatcher"]
+        self.kind = "bfloat16" if "bfloat16" in dispatcher.py_func.__name__ else payload_dtype(ev.data["args"])
+        if os.path.exists(self._marker()):
+            return  # said before (another function of the same kind, or an earlier process)
+        what, about = (f"kernels for {self.kind}", ENGINE_COMPILE_S) if self.kind else ("kernels", CONTROL_COMPILE_S)
+        sys.stderr.write(f"shmcoll: compiling {what} (once per machine, about {about} s)...\n")
+        sys.stderr.flush()
+
+    def on_end(self, ev: event.Event) -> None:
+        if id(ev.data["dispatcher"]) in self.ours:
+            self.depth -= 1
+
+    def finished(self, ok: bool) -> None:
+        """A ``compile`` of one of shmcoll's dispatchers returned (or raised): once the outermost
+        is done, and numba has saved what it compiled, mark the kind as said (only a finished
+        compile: one killed half way says so again next time) and let the next process in."""
+        if self.depth > 0:
+            return
+        if ok and self.kind is not None:
+            with contextlib.suppress(OSError):
+                os.close(os.open(self._marker(), os.O_CREAT | os.O_WRONLY, 0o666))
+        self.kind = None
+        if self.lock is not None:
+            os.close(self.lock)  # (releases it)
+            self.lock = None
+
+    def _marker(self) -> str:
+        return os.path.join(CACHE_DIR, f"announced-{self.kind or 'control'}")
+
+
+def payload_dtype(args: tuple[Any, ...]) -> str:
+    """The dtype a compile is for: its arrays' element type other than the int64 of tables and
+    control words, e.g. ``float32`` for ``execute(handles, x, out)``; ``int64`` for a function of
+    three int64 arrays or more (the engine's int64 payload); "" for control kernels."""
+    names = [str(a.dtype) for a in args if isinstance(a, types.Array)]
+    return next((n for n in reversed(names) if n != "int64"), "int64" if len(names) >= 3 else "")
+
+
+_ANNOUNCER = _Announcer()
+event.register("numba:compile", _ANNOUNCER)
+
+
+def _retrying(dispatcher: Any) -> None:
+    """Make ``dispatcher.compile`` call numba again after a :class:`_Retry` (see
+    :class:`_Announcer`); numba's ``compile`` looks in the cache before it compiles."""
+    compile_here = dispatcher.compile
+
+    def compile(sig: Any) -> Any:
+        while True:
+            try:
+                result = compile_here(sig)
+            except _Retry:
+                continue
+            except BaseException:
+                _ANNOUNCER.finished(ok=False)
+                raise
+            _ANNOUNCER.finished(ok=True)
+            return result
+
+    dispatcher.compile = compile
+
+
 def jit(fn: F | None = None, **options: Any) -> Any:
     """``numba.njit(cache=True, nogil=True, ...)`` caching under :data:`CACHE_DIR`."""
     opts = {"cache": True, "nogil": True, **options}
@@ -66,7 +186,10 @@ def jit(fn: F | None = None, **options: Any) -> Any:
         saved = numba.config.CACHE_DIR  # type: ignore[attr-defined]
         numba.config.CACHE_DIR = CACHE_DIR  # type: ignore[attr-defined]
         try:
-            return numba.njit(**opts)(f)  # type: ignore[no-any-return]
+            dispatcher = numba.njit(**opts)(f)
+            _ANNOUNCER.ours.add(id(dispatcher))
+            _retrying(dispatcher)
+            return dispatcher  # type: ignore[no-any-return]
         finally:
             numba.config.CACHE_DIR = saved  # type: ignore[attr-defined]
 

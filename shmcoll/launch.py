@@ -13,25 +13,37 @@ every name carrying the job's token. Ranks started by ``spawn`` and ``shmcoll ru
 Joins are fail-fast: the first rank to fail aborts the communicator (the others raise within
 milliseconds), survivors get a grace period to report, then their stacks are dumped
 (``faulthandler`` on ``SIGUSR1``) and they are killed. Nothing waits without a deadline.
+
+Mistakes are caught before any process starts, where they are cheap to explain: a function
+``spawn``'s new processes could not import (defined in a REPL, under ``if __name__ ==
+"__main__":``), a script that would start jobs again in every child, a command ``shmcoll run``
+cannot find.
 """
 
 from __future__ import annotations
 
+import ast
+import atexit
 import contextlib
 import ctypes
 import faulthandler
+import inspect
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
+import types
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -274,10 +286,46 @@ def spawn(
 ) -> list[Any]:
     """Run ``fn(comm, *args, **kwargs)`` on ``nprocs`` new processes; return their results by rank.
 
-    If any rank fails (raises, is killed, exits), the others are aborted, and :class:`SpawnError`
-    is raised naming the first failing rank with its traceback or exit signal. ``timeout`` bounds
-    the whole run (stacks are dumped and ranks killed at expiry); ``comm_timeout`` is each
-    collective's timeout.
+    The new processes are fresh interpreters (``start_method="spawn"``): they import ``fn`` and
+    the arguments' types by name, and re-run the main script (as ``__mp_main__``, skipping its
+    ``if __name__ == "__main__":`` block) to find what it defines. So ``fn`` must be defined at
+    the top level of a module or of the script, and a script calls ``spawn`` under that guard::
+
+        def work(comm):
+            return comm.allreduce(np.ones(4))
+
+        if __name__ == "__main__":
+            print(shmcoll.spawn(work, 4))
+
+    Args:
+        fn: called as ``fn(comm, *args, **kwargs)`` on every rank; its return value (picklable)
+            is that rank's result.
+        nprocs: the number of ranks (processes) to start.
+        args: more positional arguments for ``fn`` (picklable).
+        kwargs: keyword arguments for ``fn`` (picklable).
+        timeout: seconds the whole run may take; at expiry every rank's Python stacks are
+            dumped to stderr and the ranks are killed. ``None``: no limit.
+        comm_timeout: each collective's timeout (default ``SHMCOLL_TIMEOUT``, 60 s).
+        start_method: the :mod:`multiprocessing` start method. ``"fork"`` copies this process
+            instead of importing anything (it works from a REPL, but is unsafe in a process
+            that runs threads, such as one that initialised CUDA).
+        slot_bytes: payload bytes per ring slot (default ``SHMCOLL_SLOT_BYTES``).
+        nslots: slots per ring (default ``SHMCOLL_NSLOTS``).
+
+    Returns:
+        The ranks' return values, indexed by rank.
+
+    Raises:
+        SpawnError: a rank failed (raised, was killed, exited) or the run timed out; the others
+            were stopped. The message names the first failing rank, with its traceback or the
+            signal that killed it.
+        ValueError: ``fn`` (or a type an argument uses) is defined where the new processes
+            cannot import it: in a REPL, ``python -c``, a notebook, or under ``if __name__ ==
+            "__main__":``. Nothing was started.
+        RuntimeError: ``spawn`` was called from the main script outside ``if __name__ ==
+            "__main__":``, so every new process would call it again. Nothing was started.
+        TypeError: ``fn`` or an argument cannot be pickled (a lambda, a nested function, a
+            lock). Nothing was started.
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
@@ -285,11 +333,12 @@ def spawn(
         timeout = config.timeout_s(timeout, "spawn timeout")
     if comm_timeout is not None:
         comm_timeout = config.timeout_s(comm_timeout, "comm_timeout")
+    _check_importable(fn, tuple(args), dict(kwargs or {}), start_method)
     warm_kernels()
     ctx = mp.get_context(start_method)
     with Group(nprocs, slot_bytes=slot_bytes, nslots=nslots, timeout=comm_timeout) as group:
-        procs = []
-        readers = []
+        procs: list[Any] = []
+        readers: list[Any] = []
         for rank in range(nprocs):
             reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(  # type: ignore[attr-defined]
@@ -297,11 +346,182 @@ def spawn(
                 args=(group, rank, fn, tuple(args), dict(kwargs or {}), writer, os.getpid()),
                 name=f"shmcoll-rank-{rank}",
             )
-            p.start()
-            writer.close()
+            try:
+                p.start()  # (pickles fn and the arguments before it creates the process)
+            except (pickle.PicklingError, AttributeError, TypeError) as exc:
+                for started in procs:
+                    started.kill()
+                    started.join()
+                for r in (*readers, reader):
+                    r.close()
+                raise TypeError(
+                    f"shmcoll.spawn: cannot send fn and its arguments to the new processes: {exc}. "
+                    "They are pickled: fn must be a function defined at the top level of a module "
+                    "or script (not a lambda or a nested function), and args/kwargs picklable."
+                ) from exc
+            finally:
+                writer.close()
             procs.append(p)
             readers.append(reader)
         return _join(group, procs, readers, timeout)
+
+
+# --- what spawn's new processes can import ------------------------------------------------------
+# A "spawn" or "forkserver" child is a fresh interpreter: it unpickles fn and the arguments by
+# importing what they name, and finds what the parent's main script defines by running that
+# script again as __mp_main__, without its `if __name__ == "__main__":` block (and not at all for
+# a REPL, `python -c`, a notebook, or `python -m pkg` with its __main__.py). What it cannot find
+# used to surface as "rank 0 exited with code 1" and a bare AttributeError from each child; it is
+# cheaper to see it here, before anything starts, and say what to do.
+_IMPORTING_START_METHODS = ("spawn", "forkserver")
+
+_GUARD_HINT = 'Put the code that starts the job under `if __name__ == "__main__":`'
+
+
+class _Discard:
+    def write(self, data: Any) -> None:
+        pass
+
+
+class _MainReferences(pickle.Pickler):
+    """Pickles into nothing, noting every function and class of ``__main__`` it meets (the
+    things a child finds by looking them up in its own ``__main__``)."""
+
+    def __init__(self) -> None:
+        # Out-of-band buffers (numpy arrays) are not copied: only references matter here.
+        super().__init__(_Discard(), protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=lambda _: None)
+        self.found: list[Any] = []
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
+            if not any(obj is seen for seen in self.found):
+                self.found.append(obj)
+        return NotImplemented
+
+
+def _main_script() -> tuple[bool, str | None]:
+    """Whether a new process runs the main module again, and its source file if it does
+    (multiprocessing.spawn's own rule: by module name, else by path, else not at all)."""
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name is not None:
+        if name == "__main__" or name.endswith(".__main__"):
+            return False, None  # a package's __main__.py or a directory: never re-run
+        return True, getattr(main.__spec__, "origin", None)  # type: ignore[union-attr]
+    path = getattr(main, "__file__", None)
+    if path is None or os.path.splitext(os.path.basename(path))[0] == "ipython":
+        return False, None
+    return True, os.path.abspath(path)
+
+
+def _guard_blocks(path: str | None) -> list[tuple[int, int]] | None:
+    """The line ranges of the top-level ``if __name__ == "__main__":`` blocks of ``path``
+    (``None``: the source cannot be read or parsed)."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    blocks = []
+    for node in tree.body:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and len(node.test.ops) == 1:
+            sides = [node.test.left, *node.test.comparators]
+            names = {s.id for s in sides if isinstance(s, ast.Name)}
+            values = {s.value for s in sides if isinstance(s, ast.Constant)}
+            if isinstance(node.test.ops[0], ast.Eq) and names == {"__name__"} and values == {"__main__"}:
+                blocks.append((node.lineno, node.end_lineno or node.lineno))
+    return blocks
+
+
+def _defined_at(obj: Any, path: str) -> int | None:
+    """The line of ``path`` where function or class ``obj`` is defined, if known."""
+    code = getattr(obj, "__code__", None)
+    if code is not None:
+        same = os.path.abspath(code.co_filename) == path
+        return code.co_firstlineno if same else None
+    try:
+        if os.path.abspath(inspect.getsourcefile(obj) or "") != path:
+            return None
+        return inspect.getsourcelines(obj)[1]
+    except (OSError, TypeError):
+        return None
+
+
+def _describe(obj: Any, fn: Any) -> str:
+    name = getattr(obj, "__qualname__", repr(obj))
+    if obj is fn:
+        return f"the function `{name}`"
+    kind = "class" if isinstance(obj, type) else "function"
+    return f"the {kind} `{name}` (which fn or its arguments use)"
+
+
+def _check_importable(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], start_method: str) -> None:
+    """Raise, before anything starts, what a new process would fail on while it imports the job."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        # This process is itself a child re-running the parent's script, which called spawn at
+        # import time: the parent's check below normally stops that first.
+        raise RuntimeError(
+            "shmcoll.spawn() was called while a new process was importing the main script, "
+            f"which starts the job again at import time. {_GUARD_HINT}."
+        )
+    if start_method not in _IMPORTING_START_METHODS:
+        return
+    rerun, path = _main_script()
+    if rerun and path is not None and not os.path.exists(path):
+        # `python - < job.py`: __main__ says it came from "<stdin>", which every new process
+        # would try to run as a file, and fail before it ever reached fn.
+        raise ValueError(
+            f"shmcoll.spawn: the main program was read from {os.path.basename(path)}, not from a file, "
+            "and the new processes would have to run it again to find your functions. Save it "
+            'in a file and run that (with the spawn call under `if __name__ == "__main__":`), '
+            'or pass start_method="fork".'
+        )
+    blocks = _guard_blocks(path) if rerun else None
+    if rerun and blocks is not None and path is not None:
+        # The main script's top-level line that led here: a child re-running the script runs it
+        # again, unless it is inside the guard.
+        main_globals = vars(sys.modules["__main__"])
+        line = None
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_globals is main_globals and frame.f_code.co_name == "<module>":
+                line = frame.f_lineno
+            frame = frame.f_back  # type: ignore[assignment]
+        if line is not None and not any(a <= line <= b for a, b in blocks):
+            raise RuntimeError(
+                f"shmcoll.spawn: called from {os.path.basename(path)} line {line}, which is not under "
+                '`if __name__ == "__main__":`. Each new process imports the script to find your '
+                "functions, and would run that line again and start processes of its own. "
+                f"{_GUARD_HINT}, e.g.\n\n"
+                '    if __name__ == "__main__":\n'
+                "        shmcoll.spawn(work, 4)\n"
+            )
+    refs = _MainReferences()
+    with contextlib.suppress(Exception):  # unpicklable: Process.start says so, and we explain it
+        refs.dump((fn, args, kwargs))
+    for obj in refs.found:
+        what = _describe(obj, fn)
+        if not rerun:
+            raise ValueError(
+                f"shmcoll.spawn: {what} is defined in the __main__ module of an interactive session "
+                "(a REPL, `python -c`, a notebook, stdin or a package's __main__.py), which the new "
+                "processes cannot import, so they could not find it. Define it in a module or a "
+                "file and import it from there (e.g. save it in work.py, then `from work import "
+                f"{getattr(obj, '__qualname__', 'f')}`), or run the job as a script that defines it "
+                f'at top level and calls spawn under `if __name__ == "__main__":`; or pass '
+                'start_method="fork" (the children then copy this process instead of importing '
+                "anything; not safe if this process runs threads)."
+            )
+        line = _defined_at(obj, path) if path is not None and blocks else None
+        if line is not None and blocks and any(a <= line <= b for a, b in blocks):
+            raise ValueError(
+                f'shmcoll.spawn: {what} is defined under `if __name__ == "__main__":` in '
+                f"{os.path.basename(path or '')} (line {line}), which the new processes skip when "
+                "they import the script, so they could not find it. Define it at the top level of "
+                "the script (or in a module), outside that block."
+            )
 
 
 def _join(group: Group, procs: list[Any], readers: list[Any], timeout: float | None) -> list[Any]:
@@ -318,7 +538,7 @@ def _join(group: Group, procs: list[Any], readers: list[Any], timeout: float | N
                 break
             now = time.monotonic()
             if grace_end is not None and now > grace_end:
-                _dump_and_kill(alive)
+                _dump_and_kill(alive, [procs.index(p) for p in alive], sys.stderr)
                 break
             if deadline is not None and now > deadline:
                 failures.append(
@@ -328,7 +548,7 @@ def _join(group: Group, procs: list[Any], readers: list[Any], timeout: float | N
                         f"{[procs.index(p) for p in alive]} (stacks dumped to stderr)",
                     )
                 )
-                _dump_and_kill(alive)
+                _dump_and_kill(alive, [procs.index(p) for p in alive], sys.stderr)
                 break
             waitables = [p.sentinel for p in alive] + list(open_readers.values())
             mp.connection.wait(waitables, timeout=0.05)
@@ -423,18 +643,23 @@ def _catches(pid: int, sig: int) -> bool:
     return False
 
 
-def _dump_and_kill(procs: list[Any]) -> None:
+def _dump_and_kill(procs: Sequence[Any], ranks: Sequence[int], out: IO[str] | None = None) -> None:
     """Have every live rank dump its stacks (faulthandler on SIGUSR1), then kill them all.
 
     Only ranks that already handle SIGUSR1 get it: one still starting up would simply die of it.
     One rank at a time: the ranks share the launcher's stderr, and dumps written at once
-    interleave line by line into something nobody can read.
+    interleave line by line into something nobody can read. ``out``: where to say whose stacks
+    follow (faulthandler's text does not name the rank); ``None`` when every line a rank writes
+    is tagged with its rank anyway.
     """
-    dumping = [p for p in procs if _poll_exit(p) is None and _catches(p.pid, signal.SIGUSR1)]
+    live = zip(ranks, procs, strict=True)
+    dumping = [(r, p) for r, p in live if _poll_exit(p) is None and _catches(p.pid, signal.SIGUSR1)]
     # faulthandler writes synchronously from the signal handler, but the rank must get scheduled;
     # the whole dump stays within about 2 s however many ranks there are.
     pause = min(0.5, 2.0 / len(dumping)) if dumping else 0.0
-    for p in dumping:
+    for rank, p in dumping:
+        if out is not None:
+            _say(out, f"--- Python stacks of rank {rank} (pid {p.pid}) ---")
         with contextlib.suppress(ProcessLookupError):
             os.kill(p.pid, signal.SIGUSR1)
         time.sleep(pause)
@@ -448,22 +673,106 @@ def _poll_exit(p: Any) -> int | None:
 
 
 # --- init and shmcoll run -------------------------------------------------------------------
+# Other launchers' variables, read only to say what to do when one of them started this process:
+# (launcher, its rank variable, its world size variable). They are not shmcoll's configuration.
+_FOREIGN_LAUNCHERS = (
+    ("torchrun", "RANK", "WORLD_SIZE"),
+    ("mpirun (Open MPI)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("mpirun (MPICH, Intel MPI)", "PMI_RANK", "PMI_SIZE"),
+)
+
+
+def _foreign_launcher() -> tuple[str, str, str, int] | None:
+    """(launcher, its variables, this rank, world size) if another launcher started this process
+    as one of several ranks."""
+    for launcher, rank_var, size_var in _FOREIGN_LAUNCHERS:
+        try:
+            size = int(os.environ.get(size_var, ""))
+        except ValueError:
+            continue
+        if size > 1:
+            return launcher, f"{rank_var}, {size_var}", os.environ.get(rank_var, "?"), size
+    return None
+
+
 def init(timeout: float | None = None) -> Communicator:
-    """The communicator of a rank started by ``shmcoll run`` (from ``SHMCOLL_*`` variables)."""
+    """This process's communicator: its rank's in a job started by ``shmcoll run``, else a
+    world of one.
+
+    Under ``shmcoll run -n N script.py`` (``SHMCOLL_RANK``, ``SHMCOLL_WORLD_SIZE`` and
+    ``SHMCOLL_HANDLE`` set), it connects this process as its rank of the job. Started any other
+    way (``python script.py``), it returns the communicator of a job of one rank that this
+    process owns, as ``MPI.COMM_WORLD`` is under a plain ``python``: every collective works, on
+    this rank's data alone, so a script runs unchanged on one process. Everything it created
+    in ``/dev/shm`` is removed when the process exits, however it exits.
+
+    Example::
+
+        comm = shmcoll.init()
+        x = np.full(4, comm.rank, np.float32)
+        comm.allreduce(x)  # under `shmcoll run -n 3`: 0 + 1 + 2 = 3 everywhere
+
+    Args:
+        timeout: each collective's default timeout in seconds (default: ``SHMCOLL_TIMEOUT``,
+            which ``shmcoll run --comm-timeout`` sets; ``inf``: no limit).
+
+    Returns:
+        The :class:`Communicator`. It is closed at exit; ``comm.close()`` closes it earlier.
+
+    Raises:
+        ShmcollError: another launcher started this process as one of several ranks
+            (``torchrun``: ``RANK``, ``WORLD_SIZE`` set; ``mpirun``), whose processes shmcoll
+            cannot join (the message says what to use instead), or the ``SHMCOLL_*`` variables
+            are incomplete or disagree.
+    """
     cfg = config.get()
+    if cfg.rank is None and cfg.world_size is None and not cfg.handle:
+        foreign = _foreign_launcher()
+        if foreign is not None:
+            launcher, variables, rank, size = foreign
+            advice = (
+                f"start the script with `shmcoll run -n {size} script.py` instead (it sets RANK, "
+                "LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT too, so torch code keeps "
+                "working), or stay with torchrun and use shmcoll as torch.distributed's backend: "
+                '`import shmcoll.torch` and `torch.distributed.init_process_group("shmcoll")`'
+                if launcher == "torchrun"
+                else f"start the script with `shmcoll run -n {size} script.py` instead of mpirun"
+            )
+            raise ShmcollError(
+                f"shmcoll.init(): this process is rank {rank} of {size} started by {launcher} "
+                f"({variables} are set), not by `shmcoll run` (SHMCOLL_HANDLE is not set), and "
+                f"shmcoll cannot join another launcher's processes: {advice}"
+            )
+        return _world_of_one(timeout)
     if cfg.rank is None or cfg.world_size is None or not cfg.handle:
         raise ShmcollError(
-            "shmcoll.init() needs SHMCOLL_RANK, SHMCOLL_WORLD_SIZE and SHMCOLL_HANDLE: start the "
-            "script with `shmcoll run -n N script.py`, or use shmcoll.spawn / shmcoll.Group"
+            "shmcoll.init() needs all of SHMCOLL_RANK, SHMCOLL_WORLD_SIZE and SHMCOLL_HANDLE, which "
+            "`shmcoll run -n N script.py` sets; only some are set here"
         )
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     group = Group.from_handle(cfg.handle)
     if group.world_size != cfg.world_size:
         raise ShmcollError(f"SHMCOLL_WORLD_SIZE={cfg.world_size} disagrees with the handle's {group.world_size}")
     comm = group.connect(cfg.rank, timeout=timeout)
-    import atexit
-
     atexit.register(comm.close)
+    return comm
+
+
+def _world_of_one(timeout: float | None) -> Communicator:
+    """A job of one rank owned by this process (its janitor covers a process that is killed)."""
+    group = Group(1)
+    try:
+        comm = group.connect(0, timeout=timeout)
+    except BaseException:
+        group.close()
+        raise
+
+    def finish() -> None:
+        comm.close()
+        group.close()
+
+    atexit.register(finish)
+    log.info("shmcoll.init(): not started by `shmcoll run`; running as a world of one")
     return comm
 
 
@@ -492,6 +801,87 @@ class _Child:
             self.sentinel = None
 
 
+# The launcher's own lines and the ranks' tagged lines go to the same streams from several
+# threads: each is written whole under this lock, so no two ever share a line.
+_OUTPUT_LOCK = threading.Lock()
+_MAX_LINE = 1 << 16  # a rank's line longer than this (no newline yet) is passed on in pieces
+
+
+def _write(dest: IO[str], data: bytes) -> None:
+    """Write ``data`` to a text stream, through its byte buffer when it has one (a rank's bytes
+    pass as they are, whatever their encoding). Caller holds ``_OUTPUT_LOCK``."""
+    buffer = getattr(dest, "buffer", None)
+    if buffer is not None:
+        dest.flush()  # whatever the text layer holds goes first
+        buffer.write(data)
+        buffer.flush()
+    else:
+        dest.write(data.decode(errors="replace"))
+        dest.flush()
+
+
+def _say(out: IO[str], text: str) -> None:
+    """One line of the launcher's own, never mixed into a rank's line."""
+    with _OUTPUT_LOCK:
+        try:
+            _write(out, (text + "\n").encode())
+        except (OSError, ValueError):
+            pass  # the launcher's output is gone (a closed pipe): nothing else to do with it
+
+
+def _copy_tagged(rank: int, src: IO[bytes], dest: IO[str]) -> None:
+    """Copy one rank's stream to ``dest`` a line at a time, each line prefixed ``[rank N] ``."""
+    prefix = f"[rank {rank}] ".encode()
+    broken = False
+    try:
+        while True:
+            line = src.readline(_MAX_LINE)
+            if not line:
+                return
+            if broken:
+                continue  # keep draining, so the rank never blocks on a full pipe
+            if not line.endswith(b"\n"):
+                line += b"\n"  # the stream's last, unterminated line (or a piece of a huge one)
+            with _OUTPUT_LOCK:
+                try:
+                    _write(dest, prefix + line)
+                except (OSError, ValueError):
+                    broken = True  # e.g. `shmcoll run ... | head` has exited
+    finally:
+        src.close()
+
+
+def _command(argv: Sequence[str]) -> tuple[str, list[str]]:
+    """The program each rank runs and its argv: ``python ARGV`` for a Python script or
+    interpreter options (``script.py``, ``-m module``, ``-c code``), else the program itself.
+
+    Raises:
+        FileNotFoundError: the script or program does not exist (before any rank starts).
+    """
+    if not argv:
+        raise ValueError("nothing to run: give a script, -m MODULE, or a program")
+    first = argv[0]
+    if first.startswith("-"):
+        return sys.executable, [sys.executable, *argv]
+    if first.endswith((".py", ".pyw", ".pyz")):
+        if not os.path.exists(first):
+            raise FileNotFoundError(f"no such script: {first}")
+        return sys.executable, [sys.executable, *argv]
+    program = shutil.which(first)
+    if program is not None:
+        return program, list(argv)  # (argv[0] stays as the user wrote it)
+    if os.path.exists(first):  # a script without .py, a directory or zip with a __main__.py
+        return sys.executable, [sys.executable, *argv]
+    raise FileNotFoundError(f"cannot run {first!r}: not a file, and no such program on PATH")
+
+
+def _free_port() -> int:
+    """A TCP port free on the loopback now, for ``MASTER_PORT`` (torch's rank 0 binds it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def run_script(
     nprocs: int,
     argv: Sequence[str],
@@ -500,37 +890,93 @@ def run_script(
     comm_timeout: float | None = None,
     slot_bytes: int | None = None,
     nslots: int | None = None,
-    out: Any = None,
+    tag_output: bool = True,
+    out: IO[str] | None = None,
 ) -> int:
-    """Run ``python argv...`` as ``nprocs`` ranks; returns the exit code for ``shmcoll run``.
+    """Run ``argv`` as ``nprocs`` ranks (``shmcoll run``); returns the exit code to exit with.
 
-    0 if every rank exits 0; else the first failing rank's code (128 + signal if killed), and a
-    line on ``out`` (stderr) naming it. Ctrl-C stops every rank and returns 130.
+    ``argv`` is a Python script and its arguments (``["job.py", "--lr", "0.1"]``), interpreter
+    options (``["-m", "pkg.mod"]``), or any program (``["python", "-m", "pkg.mod"]``,
+    ``["/bin/echo", "hi"]``). Each rank gets ``SHMCOLL_RANK``, ``SHMCOLL_WORLD_SIZE`` and
+    ``SHMCOLL_HANDLE`` (for :func:`init`), the variables ``torchrun`` sets (``RANK``,
+    ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``,
+    ``MASTER_PORT``: a free port) and, with more than one rank, ``OMP_NUM_THREADS=1`` unless it
+    is set (said once on ``out``): each rank's OpenMP/BLAS pool would otherwise take every core.
+
+    Args:
+        nprocs: the number of ranks.
+        argv: what to run, as above.
+        timeout: seconds the whole job may take; then every rank's Python stacks are dumped and
+            the ranks killed (exit code 124).
+        comm_timeout: each collective's timeout (``SHMCOLL_TIMEOUT`` in the ranks).
+        slot_bytes: payload bytes per ring slot.
+        nslots: slots per ring.
+        tag_output: prefix each line of each rank's stdout and stderr with ``[rank N] ``
+            (copied a whole line at a time, so ranks' lines never merge; Python ranks get
+            ``PYTHONUNBUFFERED=1`` unless it is set, so their lines come as they are printed).
+            ``False``: the ranks write to the launcher's streams directly.
+        out: where the launcher's own messages go (default: stderr); ranks' tagged stderr too.
+
+    Returns:
+        0 if every rank exits 0; else the first failing rank's code (128 + signal if it was
+        killed), with a line on ``out`` naming it; 124 at ``timeout``; 130 after Ctrl-C, which
+        stops every rank.
+
+    Raises:
+        FileNotFoundError: the script or program does not exist; nothing was started.
     """
-    out = out or sys.stderr
+    err: IO[str] = out or sys.stderr
     if timeout is not None:
         timeout = config.timeout_s(timeout, "--timeout")
     if comm_timeout is not None:
         comm_timeout = config.timeout_s(comm_timeout, "--comm-timeout")
+    program, args = _command(argv)
     warm_kernels()
     with Group(nprocs, slot_bytes=slot_bytes, nslots=nslots, timeout=comm_timeout) as group:
         children: list[_Child] = []
+        copiers: list[threading.Thread] = []
         base_env = dict(os.environ)
-        base_env["SHMCOLL_WORLD_SIZE"] = str(nprocs)
-        base_env["SHMCOLL_HANDLE"] = group.handle.encode()
+        base_env.update(
+            SHMCOLL_WORLD_SIZE=str(nprocs),
+            SHMCOLL_HANDLE=group.handle.encode(),
+            WORLD_SIZE=str(nprocs),
+            LOCAL_WORLD_SIZE=str(nprocs),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
         if comm_timeout is not None:
             base_env["SHMCOLL_TIMEOUT"] = str(comm_timeout)
+        if nprocs > 1 and "OMP_NUM_THREADS" not in os.environ:
+            base_env["OMP_NUM_THREADS"] = "1"
+            _say(
+                err,
+                f"shmcoll run: setting OMP_NUM_THREADS=1 for each rank, so that {nprocs} ranks' "
+                "OpenMP/BLAS threads do not oversubscribe the cores (set OMP_NUM_THREADS to choose another value)",
+            )
+        if tag_output:
+            base_env.setdefault("PYTHONUNBUFFERED", "1")
         parent = os.getpid()
+        pipe = subprocess.PIPE if tag_output else None
         try:
             for rank in range(nprocs):
-                env = dict(base_env, SHMCOLL_RANK=str(rank))
+                env = dict(base_env, SHMCOLL_RANK=str(rank), RANK=str(rank), LOCAL_RANK=str(rank))
                 popen = subprocess.Popen(
-                    [sys.executable, *argv],
+                    args,
+                    executable=program,
                     env=env,
+                    stdout=pipe,
+                    stderr=pipe,
                     preexec_fn=lambda: _set_parent_death_signal() if os.getppid() == parent else os._exit(1),
                 )
                 children.append(_Child(popen))
-            return _join_children(group, children, timeout, out)
+            if tag_output:
+                # Started once every rank is: preexec_fn runs in a fork, where threads are unsafe.
+                for rank, c in enumerate(children):
+                    for src, dest in ((c.popen.stdout, sys.stdout), (c.popen.stderr, err)):
+                        t = threading.Thread(target=_copy_tagged, args=(rank, src, dest), daemon=True)
+                        t.start()
+                        copiers.append(t)
+            return _join_children(group, children, timeout, err, tagged=tag_output)
         except KeyboardInterrupt:
             for c in children:
                 if c.poll() is None:
@@ -541,19 +987,30 @@ def run_script(
             for c in children:
                 c.kill()
                 c.popen.wait()
-            print("shmcoll run: interrupted; all ranks stopped", file=out)
+            _say(err, "shmcoll run: interrupted; all ranks stopped")
             return 130
         finally:
             for c in children:
                 c.kill()
                 c.popen.wait()
                 c.close()
+            # What the ranks wrote last (a traceback, dumped stacks) is still in the pipes. A
+            # process a rank started may hold a pipe open after the rank is gone: do not wait
+            # for it long.
+            end = time.monotonic() + 5
+            for t in copiers:
+                t.join(max(0.0, end - time.monotonic()))
 
 
-def _join_children(group: Group, children: list[_Child], timeout: float | None, out: Any) -> int:
+def _join_children(group: Group, children: list[_Child], timeout: float | None, out: IO[str], tagged: bool) -> int:
     deadline = None if timeout is None else time.monotonic() + timeout
     first: tuple[int, int] | None = None
     grace_end: float | None = None
+
+    def dump_and_kill() -> None:
+        alive = [(r, c) for r, c in enumerate(children) if c.poll() is None]
+        _dump_and_kill([c for _, c in alive], [r for r, _ in alive], None if tagged else out)
+
     while True:
         codes = [c.poll() for c in children]
         now = time.monotonic()
@@ -565,18 +1022,18 @@ def _join_children(group: Group, children: list[_Child], timeout: float | None, 
                 culprit = group.culprit()
                 first = next(((r, c) for r, c in failed if r == culprit), failed[0])
                 rank, code = first
-                print(f"shmcoll run: rank {rank} {_describe_exit(code)}; stopping the others", file=out)
+                _say(out, f"shmcoll run: rank {rank} {_describe_exit(code)}; stopping the others")
                 group.abort(rank, layout.ABORT_PEER_LOST if code < 0 else layout.ABORT_ERROR)
                 grace_end = now + _GRACE_S
         if all(code is not None for code in codes):
             break
         if grace_end is not None and now > grace_end:
-            _dump_and_kill([c for c in children if c.poll() is None])
+            dump_and_kill()
             break
         if deadline is not None and now > deadline:
             alive = [r for r, c in enumerate(children) if c.poll() is None]
-            print(f"shmcoll run: timed out after {timeout}s; ranks {alive} still running (stacks dumped)", file=out)
-            _dump_and_kill([c for c in children if c.poll() is None])
+            _say(out, f"shmcoll run: timed out after {timeout}s; ranks {alive} still running (stacks dumped)")
+            dump_and_kill()
             return 124
         sentinels = [c.sentinel for c in children if c.sentinel is not None and c.poll() is None]
         if sentinels:

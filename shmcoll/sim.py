@@ -24,7 +24,7 @@ from shmcoll.algos.closed_forms import FIGURES, INTER_FIGURES, ClosedForm, close
 from shmcoll.algos.registry import Query
 from shmcoll.collectives import COLLECTIVES  # (variable counts: the total split evenly, see plan.cost)
 from shmcoll.plan.cost import EXACT_LIMIT, CostModel, plan_time
-from shmcoll.units import format_bytes, format_size, format_time
+from shmcoll.units import format_size, format_time, human_size
 
 
 # --- predictions ---------------------------------------------------------------------------------
@@ -150,7 +150,7 @@ def _cells(p: Prediction) -> list[str]:
         format_time(p.time_s),
         f"{p.algbw_GBps:.3g}" if p.algbw_GBps is not None else "-",
         f"{p.busbw_GBps:.3g}" if p.busbw_GBps is not None else "-",
-        format_bytes(p.traffic_bytes or 0.0),
+        human_size(p.traffic_bytes or 0.0),
         p.method + (f" ({p.note})" if p.note else ""),
     ]
 
@@ -203,8 +203,20 @@ def format_closed_forms(forms: dict[str, ClosedForm | None], *, markdown: bool =
     return "\n".join(lines)
 
 
+# Each algorithm keeps its look in every panel; lines that coincide stay visible as different
+# hollow markers on different dashes.
+_MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">")
+_DASHES = ("-", "--", "-.", ":")
+
+
 def plot(rows: Sequence[Prediction], path: str, title: str = "") -> None:
-    """Predicted time vs ranks, one panel per size, one line per algorithm (needs matplotlib)."""
+    """Predicted time vs ranks, one panel per size, one line per algorithm (needs matplotlib).
+
+    The figure is at least wide enough for its title (wrapped when long), whatever the number of
+    panels; ticks are the world sizes simulated, sizes are binary (``1 KiB``).
+    """
+    import textwrap
+
     try:
         import matplotlib
 
@@ -213,24 +225,40 @@ def plot(rows: Sequence[Prediction], path: str, title: str = "") -> None:
     except ImportError:
         raise RuntimeError("plotting needs matplotlib: pip install 'shmcoll[plot]'") from None
     sizes = sorted({p.size_bytes for p in rows})
-    fig, axes = plt.subplots(1, max(1, len(sizes)), figsize=(4.5 * max(1, len(sizes)), 4), squeeze=False)
+    names = list(dict.fromkeys(p.algorithm for p in rows))
+    world_sizes = sorted({p.world_size for p in rows})
+    panels = max(1, len(sizes))
+    width = max(8.0, 4.5 * panels)
+    fig, axes = plt.subplots(1, panels, figsize=(width, 4.8), squeeze=False, layout="constrained")
     for ax, size in zip(axes[0], sizes, strict=False):
-        by_alg: dict[str, list[tuple[int, float]]] = {}
-        for p in rows:
-            if p.size_bytes == size and p.time_s:
-                by_alg.setdefault(p.algorithm, []).append((p.world_size, p.time_s))
-        for name, pts in by_alg.items():
-            pts.sort()
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", ms=3, label=name)
+        for k, name in enumerate(names):
+            pts = sorted(
+                (p.world_size, p.time_s) for p in rows if p.size_bytes == size and p.algorithm == name and p.time_s
+            )
+            if not pts:
+                continue
+            ax.plot(
+                [x for x, _ in pts],
+                [y for _, y in pts],
+                marker=_MARKERS[k % len(_MARKERS)],
+                linestyle=_DASHES[k % len(_DASHES)],
+                markersize=7 + 2 * (k % 3),
+                markerfacecolor="none",
+                label=name,
+            )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.set_xticks(world_sizes, [str(n) for n in world_sizes])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())  # (2^k labels between the ticks)
         ax.set_xlabel("ranks")
         ax.set_ylabel("predicted time (s)")
-        ax.set_title(f"{format_size(size)}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize="small")
+        ax.set_title(human_size(size, iec=True))
+        ax.grid(True, which="major", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 6), fontsize="small")
     if title:
-        fig.suptitle(title)
-    fig.tight_layout()
+        # ~12 characters per inch at the default suptitle size
+        fig.suptitle(textwrap.fill(title, width=int(width * 12)))
     fig.savefig(path, dpi=110)
     plt.close(fig)

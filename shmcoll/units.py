@@ -2,11 +2,12 @@
 
 Two conventions, kept apart on purpose:
 
-- **sizes** (buffers, slots, ``SHMCOLL_SLOT_BYTES``, ``--size``): binary multiples, ``64K`` is
-  65536 bytes (:func:`parse_size`, :func:`format_size`);
-- **bandwidths and traffic** (the simulator's ``--beta``, its traffic column): decimal multiples
-  as in nccl-tests, ``25GB/s`` is 25e9 bytes per second, with ``Ki``/``Mi``/``Gi``/``Ti`` for the
-  binary ones (:func:`parse_bandwidth`, :func:`format_bytes`).
+- **sizes** (buffers, slots, ``SHMCOLL_SLOT_BYTES``, ``--size``, bytes moved): binary multiples,
+  ``64K`` is 65536 bytes (:func:`parse_size`, :func:`format_size` exactly, :func:`human_size`
+  rounded to 3 digits, ``57.3K``);
+- **bandwidths** (the simulator's ``--beta``, bench's GB/s): decimal multiples as in nccl-tests,
+  ``25GB/s`` is 25e9 bytes per second, with ``Ki``/``Mi``/``Gi``/``Ti`` for the binary ones
+  (:func:`parse_bandwidth`, :func:`format_bytes`).
 
 Times are seconds (:func:`parse_time`, :func:`format_time`). This module imports nothing from
 shmcoll, so any module may use it.
@@ -47,6 +48,20 @@ def format_size(nbytes: int) -> str:
         if nbytes >= mult and nbytes % mult == 0:
             return f"{nbytes // mult}{unit}"
     return str(nbytes)
+
+
+def human_size(nbytes: float, *, iec: bool = False) -> str:
+    """A size in binary multiples, 3 significant digits: 65536 -> ``"64K"``, 58700 -> ``"57.3K"``.
+
+    ``iec=True`` spells the units out for figures and prose: ``"64 KiB"``, ``"16 B"``.
+    """
+    for unit in ("T", "G", "M", "K"):
+        mult = _SUFFIXES[unit]
+        if nbytes >= mult:
+            value = nbytes / mult
+            text = f"{value:.0f}" if value >= 100 or value == int(value) else f"{value:.3g}"
+            return f"{text} {unit}iB" if iec else f"{text}{unit}"
+    return f"{nbytes:.0f} B" if iec else f"{nbytes:.0f}"
 
 
 # --- times ---------------------------------------------------------------------------------------

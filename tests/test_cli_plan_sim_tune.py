@@ -66,7 +66,7 @@ def test_plan_show_body_and_tail_with_small_slots() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["allreduce", "-a", "nope"], "no algorithm 'nope'"),
+        (["allreduce", "-a", "nope"], "unknown algorithm 'nope'"),
         (["broadcast", "-n", "2", "--root", "2"], "root 2 out of range"),
         (["allreduce", "--slot-bytes", "lots"], "not a size"),
     ],

@@ -384,8 +384,11 @@ def choose(
     slot_bytes: int | None = None,
     nslots: int | None = None,
     group_size: int | None = None,
+    logger: Any = None,
 ) -> Algorithm:
     """The algorithm for ``query``; raises :class:`UnsupportedError` for an unusable request.
+
+    ``logger`` gets the ``auto:`` line (a communicator passes its rank-prefixed one).
 
     ``slot_bytes``/``nslots`` describe the communicator's rings (default: the configuration's),
     ``group_size`` its ranks per group (default: ``SHMCOLL_GROUP_SIZE``; ``None``: one group).
@@ -401,7 +404,7 @@ def choose(
     key = dataclasses.replace(query, inplace=False)
     groups = cfg.group_size if group_size is None else group_size
     decision = _decide_cached(key, cfg.algo, cfg.tune_file, slot_bytes, nslots, groups)
-    log.info(
+    (log if logger is None else logger).info(
         "auto: %s n=%d %d B -> %s (%s: %s)",
         query.collective,
         query.world_size,

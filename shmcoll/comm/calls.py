@@ -189,7 +189,9 @@ def prepare(
         alg = registry.get(kind, "direct")
     else:
         group_size = groups.group_size(rt)
-        alg = choose(query, algorithm, slot_bytes=lay.slot_bytes, nslots=lay.nslots, group_size=group_size)
+        alg = choose(
+            query, algorithm, slot_bytes=lay.slot_bytes, nslots=lay.nslots, group_size=group_size, logger=rt._log
+        )
         if alg.name == "hierarchical":
             options = {"group_size": group_size}
     slot_capacity = lay.slot_bytes // engine_dtype.itemsize

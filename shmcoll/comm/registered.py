@@ -114,7 +114,12 @@ def _auto(rt: Runtime, coll: Collective, x: np.ndarray, root: Any) -> str:
         query = Query(coll.name, n, count, x.dtype.itemsize, root=int(root), registered=True)
         lay = rt._arena.layout
         chosen = choose(
-            query, "auto", slot_bytes=lay.slot_bytes, nslots=lay.nslots, group_size=groups.group_size(rt)
+            query,
+            "auto",
+            slot_bytes=lay.slot_bytes,
+            nslots=lay.nslots,
+            group_size=groups.group_size(rt),
+            logger=rt._log,
         ).name
         if len(rt._auto_registered_choice) >= _MAX_CHOICES:
             rt._auto_registered_choice.clear()
