@@ -193,7 +193,7 @@ def test_two_jobs_side_by_side(tmp_path) -> None:  # type: ignore[no-untyped-def
         "for _ in range(300):\n    comm.allreduce(x, op='max')\n"
         "if comm.rank == 0:\n    print('OK', x[0])\n"
     )
-    cmd = [sys.executable, "-m", "shmcoll.cli", "run", "-n", "2", str(script)]
+    cmd = [sys.executable, "-m", "shmcoll.cli", "run", "-n", "2", "--no-tag-output", str(script)]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     for p in procs:
         out, err = p.communicate(timeout=120)

@@ -28,6 +28,7 @@ dead peers are still found by the waits (``/proc``), just not at the start of a 
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import os
@@ -83,18 +84,27 @@ class _Keeper:
     """The thread that owns this process's liveness mutexes (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._requests: queue.SimpleQueue[tuple[Callable[[], int], list[Any], threading.Event]] = queue.SimpleQueue()
+        self._requests: queue.SimpleQueue[tuple[Callable[[], int], list[Any], threading.Event] | None] = (
+            queue.SimpleQueue()
+        )
         self._thread = threading.Thread(target=self._serve, name="shmcoll-liveness", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
         while True:
-            fn, result, done = self._requests.get()
+            item = self._requests.get()
+            if item is None:  # stop (at exit)
+                return
+            fn, result, done = item
             try:
                 result.append(fn())
             except BaseException as exc:  # noqa: BLE001  (handed back to the caller)
                 result.append(exc)
             done.set()
+
+    def stop(self) -> None:
+        self._requests.put(None)
+        self._thread.join(timeout=1.0)
 
     def call(self, fn: Callable[[], int]) -> int:
         result: list[Any] = []
@@ -126,6 +136,24 @@ def _forget_keeper() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_keeper)
+
+
+def _stop_keeper() -> None:
+    """At exit (after the communicators' own exit hooks, registered later): end the keeper.
+
+    A daemon thread still alive when the interpreter finalizes is ended with ``pthread_exit``
+    the moment it wants the GIL back, which unwinds its C stack; with libstdc++ loaded (torch)
+    that was seen to abort the process ("terminate called without an active exception") when the
+    keeper had just returned from a call. A keeper that has returned cannot be caught so.
+    """
+    global _KEEPER
+    with _KEEPER_LOCK:
+        keeper, _KEEPER = _KEEPER, None
+    if keeper is not None:
+        keeper.stop()
+
+
+atexit.register(_stop_keeper)
 
 
 class Held:
