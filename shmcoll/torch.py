@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from shmcoll.comm.p2p import ANY_SOURCE
-from shmcoll.comm.requests import Request
+from shmcoll.comm.requests import Queue, Request
 from shmcoll.errors import ShmcollError
 from shmcoll.launch import Group
 from shmcoll.types import ReduceOp
@@ -116,8 +116,8 @@ class Work(dist.Work):
                 r.wait(seconds)
         except TimeoutError as exc:
             raise dist.DistBackendError(f"shmcoll: {exc}") from None
-        except BaseException:  # noqa: BLE001  (raised below with the others' completion)
-            pass
+        except ShmcollError:
+            pass  # the failed request holds it: raised below, as torch's error, once all are done
         self._complete()
         if self._error is not None:
             raise self._error
@@ -145,8 +145,7 @@ class Work(dist.Work):
                     return self._future
             else:
                 return self._future
-        collective = [r for r in self._requests if hasattr(r._queue, "_rt")]
-        if len(collective) == len(self._requests):
+        if all(isinstance(r._queue, Queue) for r in self._requests):
             for r in self._requests:
                 r._on_done(lambda _r: self._complete())
         else:  # point-to-point requests have no callbacks: a thread waits for them
