@@ -331,6 +331,9 @@ def info() -> None:
         + ", ".join(f"{n} ranks {footprint_bytes(n, cfg.nslots, cfg.slot_bytes) / 2**20:.1f} MiB" for n in (2, 4, 8))
     )
     click.echo(f"timeout: {cfg.timeout_s:g}s; kernel cache: {CACHE_DIR}")
+    from shmcoll.shm import cma
+
+    click.echo(f"cross-memory attach (single-copy broadcast, allgather, gather, scatter, alltoall): {cma.probe()[1]}")
     try:
         from shmcoll.engine import cuda as gpu
 

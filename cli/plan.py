@@ -110,7 +110,7 @@ def show(collective, algorithm, world_size, count, root, slot_bytes, dtype, in_p
         raise click.BadParameter("must be >= 1", param_hint="--group-size")
     options = None if group_size is None else {"group_size": group_size}
     alg = registry.get(collective, algorithm)
-    reason = alg.supports(Query(collective, world_size, count, itemsize, root=root, inplace=in_place))
+    reason = alg.supports(Query(collective, world_size, count, itemsize, root=root, inplace=in_place, cma=True))
     if reason is not None:
         raise click.UsageError(f"{collective}/{algorithm} cannot serve this call: {reason}")
     slot = slot_bytes or config.get().slot_bytes
@@ -201,7 +201,7 @@ def verify_algorithm(
                 counts, matrix = sample_counts(collective, n, base)
                 count = sum(counts) + sum(map(sum, matrix)) if counts or matrix else base
                 for inplace in modes:
-                    if alg.supports(Query(collective, n, count, 1, root=root, inplace=inplace)):
+                    if alg.supports(Query(collective, n, count, 1, root=root, inplace=inplace, cma=True)):
                         continue
                     try:
                         options: dict[str, object] | None = {"group_size": group_size} if group_size else None

@@ -25,6 +25,7 @@ they are measured (a pipe, read by a thread), so the caller can print them at on
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -40,6 +41,7 @@ from shmcoll.algos import registry
 from shmcoll.algos.registry import Query
 from shmcoll.collectives import COLLECTIVES, InPlace
 from shmcoll.kernels.cpu import narrow_bfloat16
+from shmcoll.shm import cma
 from shmcoll.types import (
     BFLOAT16,
     FLOAT16,
@@ -145,6 +147,7 @@ def algorithms_for(cfg: BenchConfig, collective: str, world_size: int, inplace: 
                     root=cfg.root,
                     inplace=inplace,
                     registered=cfg.registered,
+                    cma=not cfg.registered and cma.probe()[0],
                 )
                 if alg.supports(q) is None and alg.name not in names:
                     names.append(alg.name)
@@ -284,6 +287,11 @@ class _Buffers:
             self.x[...] = _pattern(r, self.x.size, self.dtype, self.op).reshape(self.x.shape)
 
     def run(self) -> None:
+        self.call()()
+
+    def call(self) -> Any:
+        """One call of the current algorithm, as a function of no arguments made once per
+        timed iteration: the loop then costs what a user's loop of the same call costs."""
         c, comm, r = self.coll, self.comm, self.comm.rank
         kw: dict[str, Any] = {"algorithm": self.algorithm}
         if c.rooted:
@@ -296,17 +304,15 @@ class _Buffers:
             kw["out"] = None if (self.inplace and c.out_none_in_place) else self.out
         x = None if (c.input_at_root and r != self.root) else self.x
         if not c.varying:
-            getattr(comm, c.name)(x, **kw)
-            return
+            return functools.partial(getattr(comm, c.name), x, **kw)
         out = kw.pop("out")
         flat_x = None if x is None else x.reshape(-1)
         flat_out = None if out is None else out.reshape(-1)
         if c.name == "reduce_scatterv":
-            comm.reduce_scatter(flat_x, counts=self.counts, out=flat_out, **kw)
-        elif c.name == "alltoallv":
-            comm.alltoallv(flat_x, self.counts, self.counts, out=flat_out, **kw)
-        else:
-            getattr(comm, c.name)(flat_x, self.counts, out=flat_out, **kw)
+            return functools.partial(comm.reduce_scatter, flat_x, counts=self.counts, out=flat_out, **kw)
+        if c.name == "alltoallv":
+            return functools.partial(comm.alltoallv, flat_x, self.counts, self.counts, out=flat_out, **kw)
+        return functools.partial(getattr(comm, c.name), flat_x, self.counts, out=flat_out, **kw)
 
     def wrong(self, corrupt: bool) -> int:
         """Run once on fresh inputs and count the elements that differ from the exact answer."""
@@ -373,11 +379,12 @@ def _time_point(
         for k in range(len(algorithms)):
             i = (r + k) % len(algorithms)
             bufs.algorithm = algorithms[i]
+            call = bufs.call()
             for _ in range(share[r]):
                 comm.barrier()
                 t0 = time.perf_counter()
                 for _ in range(reps[algorithms[i]]):
-                    bufs.run()
+                    call()
                 times[i, done[i]] = (time.perf_counter() - t0) / reps[algorithms[i]]
                 done[i] += 1
     comm.allreduce(times, "max")  # slowest rank, per iteration

@@ -16,6 +16,8 @@ SHMCOLL_ALGO                algorithm overrides, e.g. ``allreduce:ring,broadcast
 SHMCOLL_GROUP_SIZE          ranks per group for the hierarchical algorithm               topology
 SHMCOLL_TUNE_FILE           the table written by ``shmcoll tune``                       cache dir
 SHMCOLL_CACHE_DIR           where compiled kernels are cached                           ~/.cache
+SHMCOLL_CMA                 cross-memory attach for large copies: ``auto`` (use it if    auto
+                            the start-up probe allows it) or ``0`` (never)
 SHMCOLL_RANK                set by ``shmcoll run``: this process's rank
 SHMCOLL_WORLD_SIZE          set by ``shmcoll run``: the number of ranks
 SHMCOLL_HANDLE              set by ``shmcoll run``: the group's handle
@@ -73,6 +75,7 @@ class Config:
     world_size: int | None = None
     handle: str = ""
     token_log: str = ""
+    cma: bool = True  # SHMCOLL_CMA: may large copy collectives read peers' memory directly
 
 
 # The levels SHMCOLL_DEBUG may name, most verbose first (TRACE is shmcoll's own, below DEBUG).
@@ -93,6 +96,15 @@ def _int_or_none(value: str | None, name: str) -> int | None:
         return int(value)
     except ValueError:
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _cma(value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("", "auto", "1", "on"):
+        return True
+    if v in ("0", "off", "no"):
+        return False
+    raise ValueError(f"SHMCOLL_CMA must be auto or 0, got {value!r}")
 
 
 def load(env: Mapping[str, str] | None = None) -> Config:
@@ -118,6 +130,7 @@ def load(env: Mapping[str, str] | None = None) -> Config:
         world_size=_int_or_none(e.get("SHMCOLL_WORLD_SIZE"), "SHMCOLL_WORLD_SIZE"),
         handle=e.get("SHMCOLL_HANDLE", ""),
         token_log=e.get("SHMCOLL_TOKEN_LOG", ""),
+        cma=_cma(e.get("SHMCOLL_CMA", "")),
     )
     return cfg
 

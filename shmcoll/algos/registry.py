@@ -26,6 +26,7 @@ ALGORITHM_NAMES: tuple[str, ...] = (
     "ps",
     "pairwise",
     "zerocopy",
+    "cma",
 )
 
 
@@ -43,7 +44,8 @@ class Algorithm:
     handle so that no step moves more than ``slot_capacity`` elements; a builder whose pieces depend
     on its options (``hierarchical``'s groups) gives ``options_piece`` instead, and callers ask
     :meth:`piece_count`. ``supports(query)`` returns ``None`` when the algorithm can serve the
-    call, else the reason it cannot.
+    call, else the reason it cannot. ``auto_from_bytes``: the automatic choice considers it only
+    for calls of at least this size (``select.call_size``); asked for by name it serves any.
     """
 
     collective: str
@@ -53,6 +55,7 @@ class Algorithm:
     supports: Supports
     doc: str
     options_piece: OptionsPieceRule | None = None
+    auto_from_bytes: int = 0
 
     def piece_count(self, slot_capacity: int, world_size: int, options: Mapping[str, object] | None = None) -> int:
         """The piece for a call with these builder options (see the class docstring)."""
@@ -84,6 +87,7 @@ def register(
     piece: PieceRule = one_slot,
     supports: Supports = _always,
     options_piece: OptionsPieceRule | None = None,
+    auto_from_bytes: int = 0,
 ) -> Callable[[Builder], Builder]:
     """Register ``build`` as algorithm ``name`` of ``collective``."""
     if name not in ALGORITHM_NAMES:
@@ -94,7 +98,7 @@ def register(
         if key in _REGISTRY:
             raise ValueError(f"{collective}/{name} registered twice")
         _REGISTRY[key] = Algorithm(
-            collective, name, build, piece, supports, (build.__doc__ or "").strip(), options_piece
+            collective, name, build, piece, supports, (build.__doc__ or "").strip(), options_piece, auto_from_bytes
         )
         return build
 

@@ -26,6 +26,7 @@ from shmcoll.engine import cpu as engine
 from shmcoll.plan import ir
 from shmcoll.plan.passes import plan_call
 from shmcoll.plan.verify import verify
+from shmcoll.shm import cma
 from shmcoll.types import BFLOAT16, BOOL, FLOAT16, ReduceOp, engine_types, identity
 
 log = logging.getLogger("shmcoll")
@@ -182,7 +183,16 @@ def prepare(
     arrays.check_fits(kind, plan_count * blocks * dtype.itemsize, rt._mem_total)
     if widened:
         inplace = False  # float16 and bfloat16 reduce through float32 scratch, never the user's buffers
-    query = Query(kind, rt.world_size, count, engine_dtype.itemsize, root=root, inplace=inplace, registered=registered)
+    query = Query(
+        kind,
+        rt.world_size,
+        count,
+        engine_dtype.itemsize,
+        root=root,
+        inplace=inplace,
+        registered=registered,
+        cma=not registered and cma.probe()[0],
+    )
     lay = rt._arena.layout
     options: dict[str, object] | None = None
     if record.internal:
@@ -220,7 +230,8 @@ def prepare(
         )
     sig = ir.pack_sig(kind, alg.code, dtype, int(reduce_op), root, count)
     zero_copy = alg.name == "zerocopy"
-    prog = ir.encode(plan, rt.rank, lay.channel, int(engine_op), sig, zero_copy)
+    peers = ir.PEERS_REGISTERED if zero_copy else ir.PEERS_CMA if alg.name == "cma" else ir.PEERS_NONE
+    prog = ir.encode(plan, rt.rank, lay.channel, int(engine_op), sig, peers)
     tmp = rt._scratch_array("tmp", engine_dtype, plan.tmp_count)
     label = ir.describe_sig(sig, ALGORITHM_NAMES)
     rt._log.info(

@@ -30,14 +30,14 @@ from typing import Any
 import numpy as np
 import psutil
 
-from shmcoll import config
+from shmcoll import collectives, config
 from shmcoll.comm import calls, failures
 from shmcoll.comm.calls import Bound, Call
 from shmcoll.comm.requests import Queue, Request
 from shmcoll.engine import cpu as engine
 from shmcoll.errors import CommunicatorBrokenError, ConcurrentCallError, ForkedCommunicatorError, ShmcollError
 from shmcoll.kernels.cpu import narrow_bfloat16, widen_bfloat16
-from shmcoll.shm import layout
+from shmcoll.shm import cma, layout
 from shmcoll.shm.arena import Arena, ArenaHandle
 from shmcoll.shm.atomics import atomic_cas, write_word
 from shmcoll.shm.registered import Allocation
@@ -104,6 +104,9 @@ class Runtime:
             slice_ns=_SLICE_NS,
         )
         self._calls: dict[tuple[Any, ...], Call] = {}
+        # Each collective's last bound call, by collective code, for calls repeated with the
+        # same arrays (comm.bind._remember).
+        self._memo: list[Any] = [None] * len(collectives.PLAN_KINDS)
         self._scratch: dict[tuple[str, np.dtype], np.ndarray] = {}
         # Allocations live as long as some array views them (each SharedArray holds its own).
         self._allocations: weakref.WeakSet[Allocation] = weakref.WeakSet()
@@ -121,11 +124,12 @@ class Runtime:
         arena.register(rank)
         _CONNECTED.add(self)
         self._log.info(
-            "connected: world_size=%d, %d slots of %d bytes per ring, timeout %.1fs",
+            "connected: world_size=%d, %d slots of %d bytes per ring, timeout %.1fs; cross-memory attach %s",
             self._world_size,
             arena.layout.nslots,
             arena.layout.slot_bytes,
             self._timeout,
+            cma.probe()[1],
         )
 
     # --- identity -----------------------------------------------------------------------------
@@ -394,6 +398,8 @@ class Runtime:
                     failures.fail_aborted(self, call)
                 elif st == engine.PEER_DEAD:
                     failures.fail_peer_lost(self, call, int(self._state[engine.S_ERR_PEER]), "dead")
+                elif st == engine.READ_FAILED:
+                    failures.fail_read(self, call)
                 elif st == engine.MISMATCH:
                     if (
                         int(self._state[engine.S_ERR_SIG]) == call.sig
@@ -443,6 +449,7 @@ class Runtime:
         if self._is_forked():
             self._closed = True
             self._calls.clear()
+            self._memo = [None] * len(self._memo)
             self._broken = self._broken or "the communicator is closed"
             return
         if self._progress is not None:
@@ -454,6 +461,7 @@ class Runtime:
             self._p2p.stop()
         self._closed = True
         self._calls.clear()
+        self._memo = [None] * len(self._memo)
         self._scratch.clear()
         if self._broken is None:
             failures.warn_unreceived(self)

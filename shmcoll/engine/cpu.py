@@ -84,6 +84,8 @@ from shmcoll.plan.ir import (
     HD_REPS,
     HD_SIG,
     NCOLS,
+    PEERS_CMA,
+    PEERS_REGISTERED,
     RECV,
     RECV_LEFT,
     REDUCE,
@@ -103,6 +105,7 @@ from shmcoll.shm.atomics import (
     sched_yield,
     store_release,
     store_seqcst,
+    vm_read,
 )
 from shmcoll.shm.layout import (
     AB_CODE,
@@ -116,8 +119,12 @@ from shmcoll.shm.layout import (
     R_CUR_STEP,
     R_DONE_SEQ,
     R_DONE_SIG,
+    R_IN_ADDR,
+    R_OUT_ADDR,
+    R_PID,
     R_STATE,
     R_WAIT_PEER,
+    RANK_WORDS,
     SLOT_HEADER_BYTES,
     STATE_IDLE,
     STATE_IN_CALL,
@@ -132,6 +139,7 @@ ABORTED = 2
 MISMATCH = 3
 BUSY = 4  # another thread is in a call on this communicator: nothing was done
 PEER_DEAD = 5  # a peer's liveness word says it died (S_ERR_PEER): nothing was done
+READ_FAILED = 6  # cross-memory attach could not read a peer's buffer (S_ERR_PEER, S_ERR_STEP)
 
 # Engine state: one int64 array per communicator, written by Python at set-up and by the engine.
 (
@@ -240,8 +248,8 @@ def _offset(prog, state, which, off, base):  # type: ignore[no-untyped-def]
     kind = which & 3
     if kind == _TMP:
         return off  # scratch is per rank and reused by every piece
-    if prog[0, HD_REGISTERED] == 0:
-        return off + base
+    if prog[0, HD_REGISTERED] != PEERS_REGISTERED:
+        return off + base  # (a cma plan's peer regions are read by _read_peer, not through arrays)
     # Registered buffers: the engine got the whole allocation (every rank's region); place the
     # region in its owner's one.
     owner = (which >> 2) - 1
@@ -250,6 +258,24 @@ def _offset(prog, state, which, off, base):  # type: ignore[no-untyped-def]
     if kind == _IN:
         return off + base + state[S_IN_SHIFT] + owner * state[S_IN_STRIDE]
     return off + base + state[S_OUT_SHIFT] + owner * state[S_OUT_STRIDE]
+
+
+@jit
+def _read_peer(prog, row, base, dst, doff, item, ctrl, state):  # type: ignore[no-untyped-def]
+    """A cma plan's copy from a peer's buffer into ours: one ``process_vm_readv`` from the
+    address the peer published when it entered the call (the plan reads it only after a sync
+    that follows the peer's entry, and the peer leaves only after a sync that follows the read)."""
+    which = prog[row, C_A_BUF]
+    owner = (which >> 2) - 1
+    record = state[S_RANK_WORD] + (owner - state[S_RANK]) * RANK_WORDS
+    start = ctrl[record + (R_IN_ADDR if (which & 3) == _IN else R_OUT_ADDR)]
+    remote = start + (prog[row, C_A_OFF] + base) * item
+    local = dst.ctypes.data + doff * item
+    if not vm_read(ctrl[record + R_PID], local, remote, prog[row, C_COUNT] * item):
+        state[S_ERR_PEER] = owner
+        state[S_ERR_STEP] = row
+        return READ_FAILED
+    return OK
 
 
 @jit
@@ -333,6 +359,10 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
                 xoff = in_off
             if send:
                 copy(data, out_off, dst, doff, store, x, xoff, count)
+            elif (a_which >> 2) != 0 and prog[0, HD_REGISTERED] == PEERS_CMA:
+                st = _read_peer(prog, row, base, dst, doff, item, ctrl, state)
+                if st != OK:
+                    return st
             elif store:
                 copy(dst, doff, dst, doff, False, x, xoff, count)
 
@@ -405,6 +435,9 @@ def _execute(prog, inp, out, tmp, data, ctrl, state):  # type: ignore[no-untyped
             state[S_ERR_PEER] = dead
             store_release(state, S_ACTIVE, 0)
             return PEER_DEAD
+        if prog[0, HD_REGISTERED] == PEERS_CMA:  # where peers read this call's buffers from
+            ctrl[rank_word + R_IN_ADDR] = inp.ctypes.data
+            ctrl[rank_word + R_OUT_ADDR] = out.ctypes.data
         state[S_SEQ] += 1
         state[S_PC] = 0
         state[S_PIECE] = 0

@@ -24,6 +24,7 @@ class Query:
     root: int = 0
     inplace: bool = False
     registered: bool = False  # this rank's shared buffers come from comm.alloc
+    cma: bool = False  # ranks may read each other's memory (cross-memory attach, shm.cma.probe)
 
     @property
     def nbytes(self) -> int:

@@ -103,6 +103,12 @@ ENTRY_START = 0  # a new call: claims the communicator's engine state
 ENTRY_RESUME = 1  # the claimed call, continued after a wait returned to Python
 ENTRY_NESTED = 2  # a new call inside a call made of several (object collectives, alloc, split)
 ENTRY_CLAIMED = 3  # a new call whose caller already claimed the engine state (see engine.cpu)
+# How a plan's regions on other ranks are reached (HD_REGISTERED): not at all (every region is
+# the rank's own), through the shared allocation of registered buffers (zerocopy), or by
+# cross-memory attach into the peer's own buffers (cma: copies only).
+PEERS_NONE = 0
+PEERS_REGISTERED = 1
+PEERS_CMA = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,13 +335,14 @@ def encode(
     channel: object,
     op: int,
     sig: int,
-    registered: bool = False,
+    peers: int = PEERS_NONE,
 ) -> np.ndarray:
     """One rank's program as an int64 table: a header row, the body rows, then the tail rows.
 
     ``channel(src, dst)`` maps a rank pair to its channel index (``Layout.channel``).
-    ``registered`` marks a plan over buffers from ``comm.alloc``, whose placement the engine
-    takes from its state at each call (see the module docstring).
+    ``peers`` says how regions on other ranks are reached: ``PEERS_REGISTERED`` for a plan over
+    buffers from ``comm.alloc``, whose placement the engine takes from its state at each call
+    (see the module docstring), ``PEERS_CMA`` for copies out of peers' own buffers.
     """
     body = _encode_steps(plan.body.programs[rank], rank, channel) if plan.body else np.empty((0, NCOLS), np.int64)
     tail = _encode_steps(plan.tail.programs[rank], rank, channel)
@@ -347,7 +354,7 @@ def encode(
     header[0, HD_OP] = int(op)
     header[0, HD_SIG] = sig
     header[0, HD_KIND] = KIND_CODE[plan.tail.kind]
-    header[0, HD_REGISTERED] = int(registered)
+    header[0, HD_REGISTERED] = int(peers)
     table = np.concatenate([header, body, tail])
     return np.ascontiguousarray(table)
 

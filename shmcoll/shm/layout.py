@@ -87,6 +87,10 @@ RANK_WORDS = 2 * WORDS_PER_LINE
 # Rank record fields (offsets within the rank's record).
 R_PID, R_START, R_STATE, R_CUR_SEQ, R_CUR_SIG, R_CUR_STEP, R_DONE_SEQ, R_DONE_SIG = range(8)
 R_WAIT_PEER = WORDS_PER_LINE  # the peer a waiting call waits for (-1: none), on the record's 2nd line
+# Where a cross-memory-attach call's input and output start in the rank's own address space,
+# published when it enters the call (peers read them after the call's first sync).
+R_IN_ADDR = WORDS_PER_LINE + 1
+R_OUT_ADDR = WORDS_PER_LINE + 2
 # Rank states.
 STATE_IDLE, STATE_IN_CALL, STATE_FAILED, STATE_EXITED = range(4)
 # Abort codes: why a communicator is broken (0: it is not).

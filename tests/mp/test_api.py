@@ -317,3 +317,53 @@ def _large(comm):  # type: ignore[no-untyped-def]
 def test_large_messages_default_slots(pools) -> None:  # type: ignore[no-untyped-def]
     pool = pools.get(3)
     assert pool.run(_large) == [[(3, 1001)] * 6] * 3
+
+
+# --- calls repeated with the same arrays (comm.bind._remember) -----------------------------------
+def _repeated(comm):  # type: ignore[no-untyped-def]
+    """A loop's repeated call is not checked again, so it must still notice every change that
+    matters: another op, root or algorithm, a dtype changed in place, a buffer made read-only,
+    other arrays, and results that land in the same arrays every time."""
+    n, r = comm.world_size, comm.rank
+    seen = []
+    x = np.full(4, r + 1, np.float64)
+    y = np.empty(4, np.float64)
+    for _ in range(3):
+        x[...] = r + 1
+        comm.allreduce(x, out=y)
+        seen.append(y.tolist())
+        comm.allreduce(x, ReduceOp.MAX, out=y)  # another op on the same arrays
+        seen.append(y.tolist())
+    b = np.full(3, r, np.int32)
+    for root in (0, n - 1, 0):
+        b[...] = r
+        comm.broadcast(b, root=root)
+        seen.append(b.tolist())
+    z = np.full(4, r + 1, np.int64)
+    comm.allreduce(z)
+    z.dtype = np.float64  # same object, same bytes, another dtype: a new call shape
+    z[...] = r + 1.5
+    comm.allreduce(z)
+    seen.append(z.tolist())
+    z.flags.writeable = False
+    try:
+        comm.allreduce(z)
+        seen.append("no error")
+    except ValueError as exc:
+        seen.append(str(exc))
+    g = np.empty((n, 2), np.float32)
+    for k in range(2):
+        comm.allgather(np.full(2, r + k, np.float32), out=g)  # a new x each time
+        seen.append(g[:, 0].tolist())
+    return seen
+
+
+def test_repeated_calls_notice_what_changed(pools) -> None:  # type: ignore[no-untyped-def]
+    n = 3
+    results = pools.get(n).run(_repeated)
+    total = sum(range(1, n + 1))
+    want = [[float(total)] * 4, [float(n)] * 4] * 3
+    want += [[0] * 3, [n - 1] * 3, [0] * 3]
+    want += [[sum(r + 1.5 for r in range(n))] * 4, "x is read-only but this call writes into it"]
+    want += [[float(r) for r in range(n)], [float(r + 1) for r in range(n)]]
+    assert all(res == want for res in results), results

@@ -1,0 +1,116 @@
+"""Cross-memory attach (the ``cma`` algorithm) beyond the correctness matrix (which runs its plans
+at every world size, count, root and dtype): large unaligned calls on ordinary buffers, the
+automatic choice, and the clean fallback when it is turned off or not permitted."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from harness import run_ranks
+
+from shmcoll import config
+from shmcoll.algos.select import decide
+from shmcoll.errors import UnsupportedError
+from shmcoll.plan.algorithm import Query
+from shmcoll.shm import cma
+
+permitted = pytest.mark.skipif(not cma.probe()[0], reason=f"cross-memory attach {cma.probe()[1]}")
+
+
+def _large(comm, count: int) -> list[str]:  # type: ignore[no-untyped-def]
+    """Every cma collective on ``count`` elements at odd offsets (views that start mid-page)."""
+    r, n = comm.rank, comm.world_size
+    bad = []
+
+    def val(j: int, size: int, dtype=np.float32) -> np.ndarray:  # type: ignore[no-untyped-def]
+        return (np.arange(size, dtype=np.int64) * 7 + j * 1_000_003).astype(dtype)
+
+    backing = np.zeros(count * n + 3, np.float32)
+    x = backing[3 : 3 + count]  # 12 bytes into an allocation: not page- or cache-line-aligned
+    x[...] = val(r, count)
+    g = comm.allgather(x, algorithm="cma")
+    if not all(np.array_equal(g[j], val(j, count)) for j in range(n)):
+        bad.append("allgather")
+    out = np.empty((n, count), np.float32)
+    out[r] = val(r, count)
+    comm.allgather(out[r], out=out, algorithm="cma")  # in place
+    if not all(np.array_equal(out[j], val(j, count)) for j in range(n)):
+        bad.append("allgather in place")
+    b = val(r, count)
+    comm.broadcast(b, root=n - 1, algorithm="cma")
+    if not np.array_equal(b, val(n - 1, count)):
+        bad.append("broadcast")
+    rows = np.stack([val(r * n + j, count, np.float64) for j in range(n)])
+    t = comm.alltoall(rows, algorithm="cma")
+    if not all(np.array_equal(t[j], val(j * n + r, count, np.float64)) for j in range(n)):
+        bad.append("alltoall")
+    comm.alltoall(rows, out=rows, algorithm="cma")  # in place
+    if not all(np.array_equal(rows[j], val(j * n + r, count, np.float64)) for j in range(n)):
+        bad.append("alltoall in place")
+    src = np.stack([val(j, count) for j in range(n)]) if r == 0 else None
+    s = comm.scatter(src, out=np.empty(count, np.float32), root=0, algorithm="cma")
+    if not np.array_equal(s, val(r, count)):
+        bad.append("scatter")
+    ga = comm.gather(val(r, count), root=1 % n, algorithm="cma")
+    if r == 1 % n and not all(np.array_equal(ga[j], val(j, count)) for j in range(n)):
+        bad.append("gather")
+    return bad
+
+
+@permitted
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_large_unaligned_calls(world_size: int) -> None:
+    for rank_bad in run_ranks(_large, world_size, (1 << 20) + 5, timeout=120):
+        assert rank_bad == []
+
+
+def test_auto_weighs_cma_only_for_large_calls() -> None:
+    def pick(nbytes: int, *, permitted: bool = True) -> str:
+        query = Query("allgather", 2, nbytes // 4, 4, cma=permitted)
+        return decide(query, overrides="", table=None).algorithm.name
+
+    assert pick(16 << 20) == "cma"  # one copy instead of two: the model sees it
+    assert pick(4 << 10) != "cma"  # a system call per block does not pay below AUTO_FROM_BYTES
+    assert pick(16 << 20, permitted=False) != "cma"
+    reason = decide(Query("allgather", 2, 4 << 20, 4, cma=False), overrides="allgather:cma", table=None)
+    assert reason.algorithm.name != "cma"  # an override it cannot serve is skipped (and logged)
+
+
+def _refused(comm) -> tuple[str, str, bool]:  # type: ignore[no-untyped-def]
+    x = np.full(1 << 18, comm.rank, np.float32)
+    try:
+        comm.allgather(x, algorithm="cma")
+        raised = ""
+    except UnsupportedError as exc:
+        raised = str(exc)
+    g = comm.allgather(x)  # auto, on the rings
+    return raised, cma.probe()[1], bool(all((g[j] == j).all() for j in range(comm.world_size)))
+
+
+def test_off_falls_back_to_the_rings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHMCOLL_CMA", "0")  # inherited by the ranks this test starts
+    for raised, why, right in run_ranks(_refused, 2, timeout=60):
+        assert "cross-memory attach is not permitted here" in raised and why == "off (SHMCOLL_CMA=0)" and right
+
+
+def test_info_and_debug_say_whether_it_is_on() -> None:
+    env_off = {"SHMCOLL_CMA": "0"}
+    info = subprocess.run(
+        [sys.executable, "-m", "shmcoll.cli", "info"], capture_output=True, text=True, timeout=60, env={**os.environ, **env_off}
+    )
+    assert info.returncode == 0 and "cross-memory attach" in info.stdout and "off (SHMCOLL_CMA=0)" in info.stdout
+    code = "import shmcoll; shmcoll.init().close()"
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env={**os.environ, "SHMCOLL_DEBUG": "INFO"}
+    )
+    assert run.returncode == 0, run.stderr
+    assert "cross-memory attach " + cma.probe()[1] in run.stderr
+
+
+def test_bad_setting_is_refused() -> None:
+    with pytest.raises(ValueError, match="SHMCOLL_CMA must be auto or 0"):
+        config.load({"SHMCOLL_CMA": "sometimes"})
