@@ -348,6 +348,13 @@ def decide(
             if here is None or not ratios:
                 continue
             estimates[alg.name] = here * _log_interp(max(size, 1), [s for s, _ in ratios], [r for _, r in ratios])
+        # A candidate the table never measured (an algorithm newer than the table, or one the
+        # machine did not permit when tune ran): the model's time, scaled the way this machine's
+        # measurements depart from the model at this size (the median over measured algorithms).
+        scales = sorted(estimates[a.name] / p for a in measured if a.name in estimates and (p := predicted(a, size)))
+        for alg in candidates:
+            if alg.name not in estimates and scales and (p := predicted(alg, size)) is not None:
+                estimates[alg.name] = p * scales[len(scales) // 2]
         if estimates:
             # Ties go to the earlier algorithm in registry order (min over an ordered list).
             best = min((a for a in measured if a.name in estimates), key=lambda a: estimates[a.name])

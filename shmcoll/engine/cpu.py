@@ -46,6 +46,12 @@ in a different call is reported as ``MISMATCH`` with its tag, instead of mixing 
 - ``ENTRY_RESUME`` continues the claimed call. Only the thread that started a call holds the
   resume copy of its program, so no other thread can continue it.
 
+**Peers' regions.** A zero-copy plan (header ``HD_REGISTERED``) names regions on other ranks.
+Over ``comm.alloc`` buffers (``PEERS_REGISTERED``) the engine got the whole allocation and places
+them with the call's shifts and strides; over ordinary buffers (``PEERS_CMA``) a rank writes its
+call's buffer addresses into its rank record when it enters the call, and a copy from a peer's
+region is one ``process_vm_readv`` (:func:`_read_peer`; a refusal is ``READ_FAILED``).
+
 A started call then checks the abort word and every peer's liveness word (``shm/liveness``):
 a peer the kernel has marked dead fails the call at once (``PEER_DEAD``), even when this rank
 would never wait for it.

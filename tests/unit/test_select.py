@@ -326,3 +326,21 @@ def test_auto_reads_the_tune_file_and_logs_why(algos, env, tmp_path, caplog) -> 
     with caplog.at_level(logging.INFO, logger="shmcoll"):
         assert select.choose(q(1024), "auto").name == "direct"
     assert "(override: SHMCOLL_ALGO 'direct')" in caplog.text
+
+
+def test_an_algorithm_the_table_never_measured_still_competes() -> None:
+    """A tune table older than cma (or made where it was refused) has no times for it: it is
+    judged by the model scaled like the measured algorithms, and measured times win over that."""
+    n, sizes = 2, (256 * KB, 16 * MB)
+
+    def model_s(name: str, nbytes: int) -> float:
+        return closed_forms.call_time(registry.get("allgather", name), n, nbytes // 4 // n, 4, MODEL, 64 * KB)  # type: ignore[return-value]
+
+    rings = {a: tuple(1.5 * model_s(a, s) for s in sizes) for a in ("direct", "ring")}
+    table = TuneTable(MODEL, 64 * KB, (Measured("allgather", n, sizes, rings),), "synthetic")
+    query = Query("allgather", n, 16 * MB // 4 // n, 4, cma=True)
+    assert model_s("cma", 16 * MB) < min(model_s(a, 16 * MB) for a in rings)
+    assert decide(query, table=table, slot_bytes=64 * KB).algorithm.name == "cma"
+    slow = {**rings, "cma": tuple(3 * t for t in rings["ring"])}
+    table = TuneTable(MODEL, 64 * KB, (Measured("allgather", n, sizes, slow),), "synthetic")
+    assert decide(query, table=table, slot_bytes=64 * KB).algorithm.name != "cma"
