@@ -36,6 +36,7 @@ from shmcoll import bench, collectives, config, tune, units
 from shmcoll.algos import select
 from shmcoll.algos.registry import Query
 from shmcoll.collectives import COLLECTIVES
+from shmcoll.shm import cma
 
 
 def auto_pick(
@@ -45,7 +46,8 @@ def auto_pick(
     table; else the communicator's own choice (``SHMCOLL_TUNE_FILE``, ``SHMCOLL_ALGO``)."""
     count = total_count // world_size if collectives.get(collective).blocked else total_count
     cfg = config.get()
-    query = Query(collective, world_size, count, itemsize, root=0, registered=registered)
+    # (as the communicator asks: cross-memory attach competes where this machine permits it)
+    query = Query(collective, world_size, count, itemsize, root=0, registered=registered, cma=not registered and cma.probe()[0])
     if table is not None:
         return select.decide(query, table=table, slot_bytes=cfg.slot_bytes, nslots=cfg.nslots).algorithm.name
     return select.choose(query, "auto", slot_bytes=cfg.slot_bytes, nslots=cfg.nslots).name

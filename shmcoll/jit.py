@@ -95,6 +95,7 @@ class _Announcer(event.Listener):
         self.depth = 0  # compiles run under numba's global compiler lock: one thread at a time
         self.lock: int | None = None  # the lock file's descriptor while this process compiles
         self.kind: str | None = None  # what the compile under way is for (see :func:`payload_dtype`)
+        self.busy = False  # between the outermost compile's start and its finish (on_compile)
 
     def on_start(self, ev: event.Event) -> None:
         if id(ev.data["dispatcher"]) not in self.ours:
@@ -102,6 +103,9 @@ class _Announcer(event.Listener):
         self.depth += 1
         if self.depth > 1:
             return
+        if not self.busy:
+            self.busy = True
+            _tell(True)
         try:
             os.makedirs(CACHE_DIR, exist_ok=True)
             fd = os.open(os.path.join(CACHE_DIR, "compile.lock"), os.O_CREAT | os.O_RDWR, 0o666)
@@ -140,9 +144,29 @@ class _Announcer(event.Listener):
         if self.lock is not None:
             os.close(self.lock)  # (releases it)
             self.lock = None
+        if self.busy:
+            self.busy = False
+            _tell(False)
 
     def _marker(self) -> str:
         return os.path.join(CACHE_DIR, f"announced-{self.kind or 'control'}")
+
+
+_COMPILE_LISTENERS: list[Callable[[bool], None]] = []
+
+
+def on_compile(listener: Callable[[bool], None]) -> None:
+    """Call ``listener(True)`` when this process starts compiling one of shmcoll's kernels (or
+    waiting for another process's compile of it), and ``listener(False)`` when it is done. The
+    communicator uses it to tell its peers that this rank is late because it compiles, so that
+    the wait does not count against their collectives' timeouts."""
+    _COMPILE_LISTENERS.append(listener)
+
+
+def _tell(compiling: bool) -> None:
+    for listener in _COMPILE_LISTENERS:
+        with contextlib.suppress(Exception):  # a compile must never fail for a listener's sake
+            listener(compiling)
 
 
 def payload_dtype(args: tuple[Any, ...]) -> str:

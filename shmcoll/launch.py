@@ -58,9 +58,11 @@ from shmcoll.shm.segment import new_token, unlink_job
 
 log = logging.getLogger("shmcoll")
 
-# Engine dtypes compiled before ranks start, so ranks load them from the cache instead of all
-# compiling them at once (seconds per dtype, on every core at the same time).
-WARM_DTYPES = tuple(np.dtype(t) for t in (np.uint8, np.int32, np.int64, np.float32, np.float64))
+# Engine dtypes compiled before ranks start: the ones shmcoll's own calls need (barrier, object
+# collectives, alloc, split). The others compile when a call first needs them (about 5 s each on
+# a cold cache, once per machine): a rank that compiles says so in its rank record, and its
+# peers' waits for it do not count against their timeouts meanwhile (jit.on_compile).
+WARM_DTYPES = tuple(np.dtype(t) for t in (np.uint8, np.int64))
 
 _GRACE_S = 5.0  # how long survivors of a failure get to report before they are killed
 

@@ -80,7 +80,7 @@ def predict(
     def row(time_s: float | None, traffic: float | None, method: str, note: str = "") -> Prediction:
         return Prediction(collective, algorithm, world_size, size, time_s, traffic, method, note)
 
-    reason = alg.supports(Query(collective, world_size, count, itemsize, root=root))
+    reason = alg.supports(Query(collective, world_size, count, itemsize, root=root, cma=True))  # (the plan, permitted or not)
     if reason is not None:
         return row(None, None, "", f"unsupported: {reason}")
     if world_size <= limit:

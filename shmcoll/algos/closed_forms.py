@@ -188,7 +188,7 @@ def plan_figures(
     n = world_size
     options = plan_options(group_size)
     piece = max(1, alg.piece_count(FIT_SLOT, n, options))
-    if alg.supports(Query(collective, n, piece, 1)) is not None:
+    if alg.supports(Query(collective, n, piece, 1, cma=True)) is not None:
         return None
     plan = plan_call(alg, n, piece, FIT_SLOT, options=options, nslots=nslots)
     prog = compile_plan(plan.tail, 1)

@@ -16,9 +16,9 @@ every input. **scatter**: rank ``r`` copies block ``r`` of the root's input.
 Rounds: 2 syncs (3 for alltoall) of ``ceil(log2 n)`` zero-byte rounds each. Bytes through the
 rings: none. Memory traffic per rank: it reads what it needs once and writes its output once.
 Constraints: only copies (a reduction would need the peer's data in this process first, which
-is what the rings do); cross-memory attach must be permitted (``Query.cma``); ``auto`` considers
-it from ``AUTO_FROM_BYTES`` on (a system call per block costs about a microsecond, which the cost
-model does not see) and weighs it against the rings there with the model or the tune table's
+is what the rings do); cross-memory attach must be permitted (``Query.cma``). ``auto`` weighs it
+only from :func:`auto_from` on (a system call per block and the syncs cost what the cost model
+does not see) and never for gather (see there), with the model or the tune table's
 measurements; asked for by name it serves any size.
 """
 
@@ -29,8 +29,15 @@ from shmcoll.algos.registry import Query, register
 from shmcoll.plan.builder import Context
 from shmcoll.plan.ir import Buf, Region
 
-AUTO_FROM_BYTES = 64 << 10
-"""Smallest call (``select.call_size``) for which ``auto`` weighs cma."""
+def auto_from(world_size: int) -> int:
+    """Smallest call (``select.call_size``) for which ``auto`` weighs cma: 64 KiB at 2 ranks,
+    1 MiB above (measured with ``benchmarks/auto_vs_best.py`` on the 2-core machine: at 4 ranks
+    each sync costs context switches, and cma lost to the rings up to 256 KiB there)."""
+    return 64 << 10 if world_size <= 2 else 1 << 20
+
+
+def _never(world_size: int) -> int:
+    return 1 << 62
 
 
 def _permitted(query: Query) -> str | None:
@@ -44,31 +51,33 @@ def _permitted(query: Query) -> str | None:
 _whole = zerocopy._whole  # no slots carry data, so a call is never cut into pieces
 
 
-@register("broadcast", "cma", piece=_whole, supports=_permitted, auto_from_bytes=AUTO_FROM_BYTES)
+@register("broadcast", "cma", piece=_whole, supports=_permitted, auto_from=auto_from)
 def broadcast(ctx: Context) -> None:
     """Every rank copies the root's buffer."""
     zerocopy.broadcast(ctx)
 
 
-@register("allgather", "cma", piece=_whole, supports=_permitted, auto_from_bytes=AUTO_FROM_BYTES)
+@register("allgather", "cma", piece=_whole, supports=_permitted, auto_from=auto_from)
 def allgather(ctx: Context) -> None:
     """Every rank copies every input into its block."""
     zerocopy.allgather(ctx)
 
 
-@register("gather", "cma", piece=_whole, supports=_permitted, auto_from_bytes=AUTO_FROM_BYTES)
+# Not for auto: the root alone copies every block, where the rings share the copying between
+# the senders and the root; measured slower than direct at 2 and 4 ranks from 1 to 64 MiB.
+@register("gather", "cma", piece=_whole, supports=_permitted, auto_from=_never)
 def gather(ctx: Context) -> None:
     """The root copies every rank's input into its block."""
     zerocopy.gather(ctx)
 
 
-@register("alltoall", "cma", piece=_whole, supports=_permitted, auto_from_bytes=AUTO_FROM_BYTES)
+@register("alltoall", "cma", piece=_whole, supports=_permitted, auto_from=auto_from)
 def alltoall(ctx: Context) -> None:
     """Rank ``r`` copies block ``r`` of every input (through scratch when in place)."""
     zerocopy.alltoall(ctx)
 
 
-@register("scatter", "cma", piece=_whole, supports=_permitted, auto_from_bytes=AUTO_FROM_BYTES)
+@register("scatter", "cma", piece=_whole, supports=_permitted, auto_from=auto_from)
 def scatter(ctx: Context) -> None:
     """Rank ``r`` copies block ``r`` of the root's input; the root, its own unless in place."""
     n, root, count = ctx.world_size, ctx.root, ctx.count

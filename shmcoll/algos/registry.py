@@ -36,6 +36,10 @@ PieceRule = Callable[[int, int], int]
 OptionsPieceRule = Callable[[int, int, Mapping[str, object]], int]
 
 
+def _anywhere(world_size: int) -> int:
+    return 0
+
+
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
     """A registered builder for one collective.
@@ -44,8 +48,8 @@ class Algorithm:
     handle so that no step moves more than ``slot_capacity`` elements; a builder whose pieces depend
     on its options (``hierarchical``'s groups) gives ``options_piece`` instead, and callers ask
     :meth:`piece_count`. ``supports(query)`` returns ``None`` when the algorithm can serve the
-    call, else the reason it cannot. ``auto_from_bytes``: the automatic choice considers it only
-    for calls of at least this size (``select.call_size``); asked for by name it serves any.
+    call, else the reason it cannot. ``auto_from(world_size)``: the automatic choice considers it
+    only for calls of at least this size (``select.call_size``); asked for by name it serves any.
     """
 
     collective: str
@@ -55,7 +59,7 @@ class Algorithm:
     supports: Supports
     doc: str
     options_piece: OptionsPieceRule | None = None
-    auto_from_bytes: int = 0
+    auto_from: Callable[[int], int] = _anywhere
 
     def piece_count(self, slot_capacity: int, world_size: int, options: Mapping[str, object] | None = None) -> int:
         """The piece for a call with these builder options (see the class docstring)."""
@@ -87,7 +91,7 @@ def register(
     piece: PieceRule = one_slot,
     supports: Supports = _always,
     options_piece: OptionsPieceRule | None = None,
-    auto_from_bytes: int = 0,
+    auto_from: Callable[[int], int] | None = None,
 ) -> Callable[[Builder], Builder]:
     """Register ``build`` as algorithm ``name`` of ``collective``."""
     if name not in ALGORITHM_NAMES:
@@ -98,7 +102,7 @@ def register(
         if key in _REGISTRY:
             raise ValueError(f"{collective}/{name} registered twice")
         _REGISTRY[key] = Algorithm(
-            collective, name, build, piece, supports, (build.__doc__ or "").strip(), options_piece, auto_from_bytes
+            collective, name, build, piece, supports, (build.__doc__ or "").strip(), options_piece, auto_from or _anywhere
         )
         return build
 

@@ -136,6 +136,15 @@ def holdup(rt: Runtime, waited: int) -> tuple[int, str]:
     return waited, ""
 
 
+def compiling_peer(rt: Runtime) -> int | None:
+    """A peer that is compiling kernels now (its first call of a new dtype, say), if any."""
+    lay = rt._arena.layout
+    for peer in range(rt._world_size):
+        if peer != rt._rank and rt._ctrl[lay.rank_word(peer, layout.R_COMPILING)] != 0:
+            return peer
+    return None
+
+
 def fail_timeout(rt: Runtime, call: Call, limit: float) -> None:
     waited = int(rt._state[engine.S_WAIT_PEER])
     culprit, why = holdup(rt, waited)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import psutil
 
-from shmcoll import collectives, config
+from shmcoll import collectives, config, jit
 from shmcoll.comm import calls, failures
 from shmcoll.comm.calls import Bound, Call
 from shmcoll.comm.requests import Queue, Request
@@ -60,6 +60,17 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _compiling(now: bool) -> None:
+    """This process compiles kernels (``jit.on_compile``): say so in its rank record of every
+    communicator, for the peers that wait for it (``failures.compiling_peer``)."""
+    for rt in list(_CONNECTED):
+        if not rt._closed and rt._pid == os.getpid():
+            rt._ctrl[rt._arena.layout.rank_word(rt._rank, layout.R_COMPILING)] = int(now)
+
+
+jit.on_compile(_compiling)
 
 
 class _RankPrefix(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -382,7 +393,7 @@ class Runtime:
         """
         if st == engine.BUSY:
             raise ConcurrentCallError(self._concurrent_message(call.label))
-        started = time.monotonic() - _SLICE_NS / 1e9
+        started = last = time.monotonic() - _SLICE_NS / 1e9
         try:
             while st != engine.OK:
                 if st == engine.WAITING:
@@ -392,7 +403,11 @@ class Runtime:
                     if lost is not None:
                         failures.fail_peer_lost(self, call, *lost)
                     failures.check_awaited_call(self, call)
-                    if time.monotonic() - started > limit:
+                    now = time.monotonic()
+                    if failures.compiling_peer(self) is not None:
+                        started += now - last  # a peer compiling kernels is late, not stuck
+                    last = now
+                    if now - started > limit:
                         failures.fail_timeout(self, call, limit)
                 elif st == engine.ABORTED:
                     failures.fail_aborted(self, call)

@@ -91,6 +91,7 @@ R_WAIT_PEER = WORDS_PER_LINE  # the peer a waiting call waits for (-1: none), on
 # published when it enters the call (peers read them after the call's first sync).
 R_IN_ADDR = WORDS_PER_LINE + 1
 R_OUT_ADDR = WORDS_PER_LINE + 2
+R_COMPILING = WORDS_PER_LINE + 3  # 1 while the rank compiles kernels (its peers' waits do not time out)
 # Rank states.
 STATE_IDLE, STATE_IN_CALL, STATE_FAILED, STATE_EXITED = range(4)
 # Abort codes: why a communicator is broken (0: it is not).

@@ -69,13 +69,16 @@ def test_large_unaligned_calls(world_size: int) -> None:
 
 
 def test_auto_weighs_cma_only_for_large_calls() -> None:
-    def pick(nbytes: int, *, permitted: bool = True) -> str:
-        query = Query("allgather", 2, nbytes // 4, 4, cma=permitted)
+    def pick(nbytes: int, *, permitted: bool = True, n: int = 2, collective: str = "allgather") -> str:
+        count = nbytes // 4 // (n if collective != "broadcast" else 1)
+        query = Query(collective, n, count, 4, cma=permitted)
         return decide(query, overrides="", table=None).algorithm.name
 
     assert pick(16 << 20) == "cma"  # one copy instead of two: the model sees it
-    assert pick(4 << 10) != "cma"  # a system call per block does not pay below AUTO_FROM_BYTES
+    assert pick(4 << 10) != "cma"  # a system call per block does not pay below auto_from
     assert pick(16 << 20, permitted=False) != "cma"
+    assert pick(256 << 10, n=4) != "cma" and pick(16 << 20, n=4) == "cma"  # more ranks, more syncs
+    assert pick(16 << 20, collective="gather") != "cma"  # the root would copy everything alone
     reason = decide(Query("allgather", 2, 4 << 20, 4, cma=False), overrides="allgather:cma", table=None)
     assert reason.algorithm.name != "cma"  # an override it cannot serve is skipped (and logged)
 

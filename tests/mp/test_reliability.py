@@ -565,3 +565,30 @@ def test_the_leak_check_owns_only_its_own_jobs_segments() -> None:
         assert other_jobs not in owned_segments() - before
     finally:
         os.unlink(path)
+
+
+# --- a peer that compiles kernels is late, not stuck (issue 17: kernels compile on first use) ----
+def _late_peer(comm, announce: bool):  # type: ignore[no-untyped-def]
+    from shmcoll import jit
+
+    if comm.rank == 1:
+        if announce:
+            jit._tell(True)  # what a compile of a kernel this rank's first call needs says
+        time.sleep(2.5)
+        if announce:
+            jit._tell(False)
+    t0 = time.monotonic()
+    try:
+        comm.barrier()  # the communicator's timeout is 1 s
+    except shmcoll.CollectiveTimeout as exc:
+        return "timeout", str(exc)
+    return "ok", time.monotonic() - t0
+
+
+def test_waiting_for_a_compiling_peer_does_not_time_out() -> None:
+    from harness import run_ranks
+
+    waited = run_ranks(_late_peer, 2, True, comm_timeout=1.0, timeout=60)
+    assert waited[0][0] == "ok" and waited[0][1] > 2.0, waited  # it waited the whole compile
+    unannounced = run_ranks(_late_peer, 2, False, comm_timeout=1.0, timeout=60)  # the same delay
+    assert unannounced[0][0] == "timeout" and "timed out after 1s waiting for rank 1" in unannounced[0][1]

@@ -140,3 +140,26 @@ def test_footprint_formula() -> None:
     expected = 192 + 256 * n + 128 * n * (n - 1) + 128 * n * n + n * (n - 1) * nslots * stride + n * n * mail * stride
     assert layout.footprint_bytes(n, nslots, slot) == expected
     assert layout.footprint_bytes(1, 4, slot) == 192 + 256 + 128 + 2 * layout.round_up(32 + slot, 64)
+
+
+def test_a_compile_tells_its_listeners(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """jit.on_compile hears True when one of shmcoll's kernels starts compiling, False when done
+    (the communicator turns it into its rank record's R_COMPILING)."""
+    import numpy as np
+
+    from shmcoll import jit
+
+    heard: list[bool] = []
+    jit.on_compile(heard.append)
+    try:
+
+        @jit.jit(cache=False)
+        def fresh(a):  # type: ignore[no-untyped-def]
+            return a.sum() + 1
+
+        assert fresh(np.arange(3)) == 4
+        assert heard == [True, False]
+        fresh(np.arange(4))  # compiled already: nothing to say
+        assert heard == [True, False]
+    finally:
+        jit._COMPILE_LISTENERS.remove(heard.append)
