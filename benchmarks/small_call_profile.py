@@ -2,10 +2,10 @@
 
 An 8-byte ``comm.allreduce`` from Python is (a) the method's own Python (type check, plan-cache
 lookup, argument checks), (b) numba's dispatch into ``engine.execute`` (it type-checks and
-unboxes each of the 7 array arguments), (c) the engine's work: bookkeeping, then the hand-off
-through shared memory, which only exists with a peer. Timing the same call at 1 rank (no peer)
-and at 2 ranks, and the raw dispatch of a do-nothing jitted function of 7 arrays, splits the
-total into those parts.
+unboxes its 3 array arguments: the handle table, the input, the output), (c) the engine's
+work: bookkeeping, then the hand-off through shared memory, which only exists with a peer.
+Timing the same call at 1 rank (no peer) and at 2 ranks, the bound call run alone, and the raw
+dispatch of a do-nothing jitted function of 3 arrays, splits the total into those parts.
 
 Run: ``python benchmarks/small_call_profile.py [--calls 200000] [--repeats 5]``. Prints the
 median per-call time of each part over the repeats.
@@ -21,12 +21,14 @@ import numba
 import numpy as np
 
 import shmcoll
+from shmcoll import collectives
 from shmcoll.collectives import KIND_CODE
+from shmcoll.comm import bind
 from shmcoll.engine import cpu as engine
 
 
 @numba.njit(cache=False, nogil=True)
-def _nothing(a, b, c, d, e, f, g):  # type: ignore[no-untyped-def]
+def _nothing(a, b, c):  # type: ignore[no-untyped-def]
     return 0
 
 
@@ -44,16 +46,19 @@ def worker(comm, calls: int, repeats: int) -> dict[str, float]:  # type: ignore[
     comm.allreduce(x, out=y)
     call = next(iter(c for k, c in comm._calls.items() if k[0] == KIND_CODE["allreduce"] and k[5]))
     arrays = (call.start, x, x)
+    bound = bind.elementwise(comm, collectives.get("allreduce"), x, None, shmcoll.ReduceOp.SUM, 0, "auto")
     _nothing(*arrays)
     parts = {
         "allreduce in place": lambda: comm.allreduce(x),
         "allreduce out of place": lambda: comm.allreduce(x, out=y),
+        "run loop + engine (bound)": lambda: comm._run(bound, None),
         "engine.execute alone": lambda: engine.execute(*arrays),
-        "dispatch of 7 arrays": lambda: _nothing(*arrays),
+        "dispatch of 3 arrays": lambda: _nothing(*arrays),
     }
     if comm.world_size > 1:
         del parts["engine.execute alone"]  # alone, it would wait for the peer's half
-        del parts["dispatch of 7 arrays"]
+        del parts["dispatch of 3 arrays"]
+        del parts["run loop + engine (bound)"]
     out: dict[str, list[float]] = {k: [] for k in parts}
     for _ in range(repeats):
         for name, fn in parts.items():
