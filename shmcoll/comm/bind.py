@@ -106,22 +106,30 @@ def _remember(rt: Runtime, coll: Collective, x: Any, out: Any, op: Any, root: An
     with the very same objects (``is``), op, root and algorithm, whose dtype object is the same
     and whose written array is still writeable, gets this bound call back instead of checking
     and binding again: about 0.4 us of an 8-byte in-place call, 1 us out of place. Only plain
-    numpy calls whose engine arrays are views of the caller's (not the copies of float16 and
-    read-only inputs, not zero-copy placements, not a result this call allocated) are kept, and
-    only small ones (``MEMO_MAX_BYTES``; above it the binding is noise), so that a large buffer
-    the program dropped is not kept alive until the collective's next call.
+    numpy calls and CPU-tensor calls whose engine arrays are views of the caller's (not the copies
+    of float16 and read-only inputs, not zero-copy placements, not a result this call allocated)
+    are kept, and only small ones (``MEMO_MAX_BYTES``; above it the binding is noise), so that a
+    large buffer the program dropped is not kept alive until the collective's next call. A
+    tensor can change its storage, shape or strides in place (``set_``, ``resize_``), so a
+    tensor call also compares those (``tensors.layout_of``: about 0.3 us, against the 2 us a
+    tensor's binding costs).
     """
-    if (
+    if not (
         type(b) is tuple
         and b[1] is not None
         and b[5] is None
-        and (x is None or type(x) is np.ndarray)
-        and (out is None or type(out) is np.ndarray)
         and (b[3] is None or b[3] is x or b[3] is out)
         and b[1].nbytes <= MEMO_MAX_BYTES
         and b[2].nbytes <= MEMO_MAX_BYTES
     ):
-        rt._memo[coll.code] = (x, out, op, root, algorithm, (out if x is None else x).dtype, b[4], b)
+        return b
+    if (x is None or type(x) is np.ndarray) and (out is None or type(out) is np.ndarray):
+        guard = None
+    elif (x is None or tensors.is_tensor(x)) and (out is None or tensors.is_tensor(out)):
+        guard = tensors.layout_of(x, out)
+    else:
+        return b
+    rt._memo[coll.code] = (x, out, op, root, algorithm, (out if x is None else x).dtype, b[4], b, guard)
     return b
 
 
@@ -150,6 +158,7 @@ def elementwise(rt: Runtime, coll: Collective, x: Any, out: Any, op: Any, root: 
         and m[4] is algorithm
         and x.dtype is m[5]
         and (m[6] is None or m[6].flags.writeable)
+        and (m[8] is None or tensors.layout_of(x, out) == m[8])
     ):
         return m[7]
     return _remember(rt, coll, x, out, op, root, algorithm, _elementwise(rt, coll, x, out, op, root, algorithm))
@@ -231,6 +240,7 @@ def gathering(rt: Runtime, coll: Collective, x: Any, out: Any, root: Any, algori
         and m[4] is algorithm
         and x.dtype is m[5]
         and (m[6] is None or m[6].flags.writeable)
+        and (m[8] is None or tensors.layout_of(x, out) == m[8])
     ):
         return m[7]
     return _remember(rt, coll, x, out, None, root, algorithm, _gathering(rt, coll, x, out, root, algorithm))
@@ -280,6 +290,7 @@ def scattering(rt: Runtime, coll: Collective, x: Any, out: Any, op: Any, root: A
         and m[4] is algorithm
         and (out if x is None else x).dtype is m[5]
         and (m[6] is None or m[6].flags.writeable)
+        and (m[8] is None or tensors.layout_of(x, out) == m[8])
     ):
         return m[7]
     return _remember(rt, coll, x, out, op, root, algorithm, _scattering(rt, coll, x, out, op, root, algorithm))

@@ -44,6 +44,15 @@ def as_array(t: Any, name: str) -> np.ndarray:
         raise TypeError(f"{name} cannot be seen as a numpy array: {exc}") from None
 
 
+def layout_of(x: Any, out: Any) -> tuple[Any, ...]:
+    """Where the tensors ``x`` and ``out`` (or None) keep their data and how it is laid out: what a
+    remembered call on them must find unchanged (``comm.bind._remember``)."""
+    return (
+        None if x is None else (x.data_ptr(), x.shape, x.stride()),
+        None if out is None or out is x else (out.data_ptr(), out.shape, out.stride()),
+    )
+
+
 def as_tensor(a: Any) -> Any:
     """A tensor sharing the memory of a result shmcoll allocated (numpy array), or ``a`` itself."""
     if not isinstance(a, np.ndarray):
