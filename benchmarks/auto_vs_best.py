@@ -47,7 +47,8 @@ def auto_pick(
     count = total_count // world_size if collectives.get(collective).blocked else total_count
     cfg = config.get()
     # (as the communicator asks: cross-memory attach competes where this machine permits it)
-    query = Query(collective, world_size, count, itemsize, root=0, registered=registered, cma=not registered and cma.probe()[0])
+    permitted = not registered and cma.probe()[0]
+    query = Query(collective, world_size, count, itemsize, root=0, registered=registered, cma=permitted)
     if table is not None:
         return select.decide(query, table=table, slot_bytes=cfg.slot_bytes, nslots=cfg.nslots).algorithm.name
     return select.choose(query, "auto", slot_bytes=cfg.slot_bytes, nslots=cfg.nslots).name

@@ -29,6 +29,7 @@ from shmcoll.algos.registry import Query, register
 from shmcoll.plan.builder import Context
 from shmcoll.plan.ir import Buf, Region
 
+
 def auto_from(world_size: int) -> int:
     """Smallest call (``select.call_size``) for which ``auto`` weighs cma: 64 KiB at 2 ranks,
     1 MiB above (measured with ``benchmarks/auto_vs_best.py`` on the 2-core machine: at 4 ranks

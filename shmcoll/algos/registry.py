@@ -101,9 +101,8 @@ def register(
         key = (collective, name)
         if key in _REGISTRY:
             raise ValueError(f"{collective}/{name} registered twice")
-        _REGISTRY[key] = Algorithm(
-            collective, name, build, piece, supports, (build.__doc__ or "").strip(), options_piece, auto_from or _anywhere
-        )
+        doc = (build.__doc__ or "").strip()
+        _REGISTRY[key] = Algorithm(collective, name, build, piece, supports, doc, options_piece, auto_from or _anywhere)
         return build
 
     return decorate

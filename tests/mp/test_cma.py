@@ -103,12 +103,20 @@ def test_off_falls_back_to_the_rings(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_info_and_debug_say_whether_it_is_on() -> None:
     env_off = {"SHMCOLL_CMA": "0"}
     info = subprocess.run(
-        [sys.executable, "-m", "shmcoll.cli", "info"], capture_output=True, text=True, timeout=60, env={**os.environ, **env_off}
+        [sys.executable, "-m", "shmcoll.cli", "info"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env_off},
     )
     assert info.returncode == 0 and "cross-memory attach" in info.stdout and "off (SHMCOLL_CMA=0)" in info.stdout
     code = "import shmcoll; shmcoll.init().close()"
     run = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env={**os.environ, "SHMCOLL_DEBUG": "INFO"}
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SHMCOLL_DEBUG": "INFO"},
     )
     assert run.returncode == 0, run.stderr
     assert "cross-memory attach " + cma.probe()[1] in run.stderr

@@ -8,8 +8,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import shmcoll  # noqa: E402
-
 
 def _changes(comm):  # type: ignore[no-untyped-def]
     n, r = comm.world_size, comm.rank
