@@ -59,6 +59,14 @@ def names_shown(rows) -> list[str]:  # type: ignore[no-untyped-def]
 @click.option("--inter-alpha", default=None, callback=_parsed("time"), help="Latency between groups.")
 @click.option("--inter-beta", default=None, callback=_parsed("bw"), help="Bandwidth between groups.")
 @click.option("--group-size", type=int, default=None, help="Ranks per group (node); needed by --inter-*.")
+@click.option(
+    "--nodes",
+    "nodes",
+    default=None,
+    help="Node counts (e.g. 2,64,1024): predict init_mpi's hierarchical collective over that many "
+    "machines, -n ranks per node, --inter-alpha/--inter-beta between nodes (the node's link).",
+)
+@click.option("--overhead", default=None, callback=_parsed("time"), help="With --nodes: a fixed cost per call.")
 @click.option("--slot-bytes", default="64K", show_default=True, help="Segment (ring slot) size the plans use.")
 @click.option("--nslots", type=int, default=4, show_default=True, help="Slots per channel.")
 @click.option("--dtype", default="float32", show_default=True, help="Element type.")
@@ -79,6 +87,8 @@ def simulate(  # type: ignore[no-untyped-def]
     inter_alpha,
     inter_beta,
     group_size,
+    nodes,
+    overhead,
     slot_bytes,
     nslots,
     dtype,
@@ -104,6 +114,23 @@ def simulate(  # type: ignore[no-untyped-def]
     from shmcoll.plan.cost import EXACT_LIMIT, CostModel
 
     check_name("collective", collective, COLLECTIVES, "--collective")
+    if nodes is not None:
+        _simulate_nodes(
+            collective,
+            nodes,
+            world_sizes,
+            sizes,
+            alpha,
+            beta,
+            inter_alpha,
+            inter_beta,
+            overhead,
+            nslots,
+            dtype,
+            slot_bytes,
+            markdown,
+        )
+        return
     if algorithm != "all":
         for name in _csv(algorithm):  # (a real one that does not serve the collective is a note)
             check_name("algorithm", name, ALGORITHM_NAMES, "--algorithm")
@@ -156,3 +183,57 @@ def simulate(  # type: ignore[no-untyped-def]
         click.echo(sim.format_closed_forms(forms, markdown=markdown))
     if plot_path:
         sim.plot(rows, plot_path, title=head)
+
+
+def _simulate_nodes(  # type: ignore[no-untyped-def]
+    collective,
+    nodes,
+    ranks_per_node,
+    sizes,
+    alpha,
+    beta,
+    inter_alpha,
+    inter_beta,
+    overhead,
+    nslots,
+    dtype,
+    slot_bytes,
+    markdown,
+) -> None:
+    """``--nodes``: the hierarchical collective of ``shmcoll.init_mpi`` at each node count."""
+    import numpy as np
+
+    from shmcoll import sim
+    from shmcoll.plan.cost import CostModel
+
+    try:
+        counts = tuple(int(v) for v in _csv(nodes))
+        if not counts or min(counts) < 1:
+            raise ValueError
+    except ValueError:
+        raise click.BadParameter(
+            f"expected comma-separated node counts >= 1, got {nodes!r}", param_hint="--nodes"
+        ) from None
+    try:
+        model = CostModel(alpha_s=alpha, beta_Bps=beta, nslots=nslots)
+        itemsize = np.dtype(dtype).itemsize
+        slot = parse_size(slot_bytes)
+        a = alpha if inter_alpha is None else inter_alpha
+        b = beta if inter_beta is None else inter_beta
+        rows = [
+            sim.predict_nodes(
+                collective, n, rpn, size, model, a, b, itemsize=itemsize, slot_bytes=slot, overhead_s=overhead or 0.0
+            )
+            for rpn in ranks_per_node
+            for size in sizes
+            for n in counts
+        ]
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    head = (
+        f"{collective} over nodes (shmcoll.init_mpi), {dtype}; in a node {model.describe()}; between nodes "
+        f"alpha {a * 1e6:g} us, beta {b / 1e9:g} GB/s per node link"
+        + (f"; fixed {overhead * 1e6:g} us per call" if overhead else "")
+    )
+    click.echo(("**" + head + "**\n") if markdown else f"# {head}")
+    click.echo(sim.format_nodes_table(rows, markdown=markdown))

@@ -18,7 +18,7 @@ from shmcoll.errors import (
     SpawnError,
     UnsupportedError,
 )
-from shmcoll.launch import Group, init, spawn
+from shmcoll.launch import Group, init, init_mpi, spawn
 from shmcoll.types import ReduceOp
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "Request",
     "__version__",
     "init",
+    "init_mpi",
     "spawn",
     "wait_all",
     "wait_any",

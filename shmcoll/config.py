@@ -23,6 +23,10 @@ SHMCOLL_WORLD_SIZE          set by ``shmcoll run``: the number of ranks
 SHMCOLL_HANDLE              set by ``shmcoll run``: the group's handle
 SHMCOLL_TOKEN_LOG           a file every new job token is appended to (test harnesses
                             use it to tell their own segments from other jobs')
+SHMCOLL_NODE_ID             ``init_mpi``: this rank's node, overriding the machine's      machine
+                            (ranks of one machine with different ids: emulated nodes)
+SHMCOLL_NODE_SIZES          ``init_mpi``: ranks per emulated node in rank order, e.g.     machine
+                            ``2,2,1``; one number: consecutive nodes of that many ranks
 ==========================  ===========================================================  =========
 """
 
@@ -75,6 +79,8 @@ class Config:
     world_size: int | None = None
     handle: str = ""
     token_log: str = ""
+    node_id: int | None = None
+    node_sizes: tuple[int, ...] = ()
     cma: bool = True  # SHMCOLL_CMA: may large copy collectives read peers' memory directly
 
 
@@ -107,6 +113,19 @@ def _cma(value: str) -> bool:
     raise ValueError(f"SHMCOLL_CMA must be auto or 0, got {value!r}")
 
 
+def _node_sizes(value: str) -> tuple[int, ...]:
+    value = value.strip()
+    if not value:
+        return ()
+    try:
+        sizes = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise ValueError(f"SHMCOLL_NODE_SIZES must be ranks per node, e.g. 2,2,1, got {value!r}") from None
+    if any(s < 1 for s in sizes):
+        raise ValueError(f"SHMCOLL_NODE_SIZES must be positive, got {value!r}")
+    return sizes
+
+
 def load(env: Mapping[str, str] | None = None) -> Config:
     """Read the configuration from ``env`` (default: ``os.environ``)."""
     e = os.environ if env is None else env
@@ -130,6 +149,8 @@ def load(env: Mapping[str, str] | None = None) -> Config:
         world_size=_int_or_none(e.get("SHMCOLL_WORLD_SIZE"), "SHMCOLL_WORLD_SIZE"),
         handle=e.get("SHMCOLL_HANDLE", ""),
         token_log=e.get("SHMCOLL_TOKEN_LOG", ""),
+        node_id=_int_or_none(e.get("SHMCOLL_NODE_ID"), "SHMCOLL_NODE_ID"),
+        node_sizes=_node_sizes(e.get("SHMCOLL_NODE_SIZES", "")),
         cma=_cma(e.get("SHMCOLL_CMA", "")),
     )
     return cfg

@@ -730,6 +730,8 @@ def init(timeout: float | None = None) -> Communicator:
     cfg = config.get()
     if cfg.rank is None and cfg.world_size is None and not cfg.handle:
         foreign = _foreign_launcher()
+        if foreign is not None and foreign[0].startswith("mpirun") and _mpi_world_size() == foreign[3]:
+            return init_mpi(timeout=timeout)  # type: ignore[no-any-return]
         if foreign is not None:
             launcher, variables, rank, size = foreign
             advice = (
@@ -758,6 +760,51 @@ def init(timeout: float | None = None) -> Communicator:
     comm = group.connect(cfg.rank, timeout=timeout)
     atexit.register(comm.close)
     return comm
+
+
+def _mpi_world_size() -> int | None:
+    """The size of mpi4py's ``MPI.COMM_WORLD`` (None without mpi4py): the launcher's world size
+    when mpi4py's MPI is the one that started this process."""
+    import importlib.util
+
+    if importlib.util.find_spec("mpi4py") is None:
+        return None
+    try:
+        from mpi4py import MPI
+
+        return int(MPI.COMM_WORLD.Get_size())
+    except Exception:  # noqa: BLE001  (no usable MPI library)
+        return None
+
+
+def init_mpi(comm: Any = None, node_id: int | None = None, timeout: float | None = None) -> Any:
+    """This process's communicator in an MPI job: shmcoll inside each node, MPI between nodes.
+
+    Needs mpi4py (``pip install "shmcoll[mpi]"``) and a job started by an MPI launcher
+    (``mpirun -n 64 --map-by node python train.py``). Collective over ``comm``: its ranks are
+    grouped by node (``MPI.Comm.Split_type(COMM_TYPE_SHARED)``; ``SHMCOLL_NODE_ID``,
+    ``SHMCOLL_NODE_SIZES`` or ``node_id`` split a machine into emulated nodes), each node's ranks
+    join one shmcoll job, and the nodes talk over MPI. :func:`init` does this by itself when it
+    finds itself started by ``mpirun`` with mpi4py installed.
+
+    Example::
+
+        comm = shmcoll.init_mpi()
+        comm.allreduce(grads)  # node reduce-scatter, rails across nodes, node allgather
+
+    Args:
+        comm: the MPI communicator whose ranks take part (default ``MPI.COMM_WORLD``).
+        node_id: this rank's node (ranks with the same id on one machine form a node).
+        timeout: each collective's default timeout in seconds (default ``SHMCOLL_TIMEOUT``).
+
+    Returns:
+        With every rank on one node, a plain :class:`Communicator` (exactly today's shmcoll,
+        ranked as ``comm``); else a :class:`shmcoll.comm.multinode.MultiNodeCommunicator` with
+        ``comm``'s ranks and the same methods. Closed at exit.
+    """
+    from shmcoll import mpi
+
+    return mpi.init_mpi(comm, node_id, timeout, group_cls=Group)
 
 
 def _world_of_one(timeout: float | None) -> Communicator:

