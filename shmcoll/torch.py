@@ -21,8 +21,12 @@ on every rank, carrying shmcoll's own message.
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import os
+import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -349,8 +353,77 @@ class ProcessGroupShmcoll(dist.ProcessGroup):
 
 
 def _create(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> ProcessGroupShmcoll:
+    _STARTED[0] = True
     return ProcessGroupShmcoll(store, rank, size, timeout)
+
+
+# --- exit -----------------------------------------------------------------------------------------
+# torch's own threads may still need the GIL when the script has ended: a gloo worker thread drops
+# its last reference to a finished work object a moment after the caller's ``wait()`` returned,
+# and a work object's tensors are Python tensors whose last C++ reference but one takes the GIL
+# to decref the Python object (``TensorImpl::decref_pyobject``). A thread that asks for the GIL
+# once the interpreter finalizes is ended with ``pthread_exit``; inside that C++ destructor the
+# unwinding calls ``std::terminate`` ("terminate called without an active exception", SIGABRT).
+# gloo's own teardown happened to give its workers time; shmcoll's fast one did not (about one job
+# in 10 under load). So at exit, before finalization, this process waits until the threads Python
+# did not start are idle, handing them the GIL meanwhile.
+_QUIESCE_S = 2.0  # the longest wait at exit (a native thread that never idles)
+_QUIESCE_POLL_S = 0.001
+
+
+def _native_thread_busy() -> bool:
+    """Whether a thread of this process that Python did not start (torch's, gloo's) is running or
+    runnable now; False where ``/proc`` cannot tell."""
+    # (a _DummyThread is a native thread that called into Python: it is one of them)
+    python = {t.native_id for t in threading.enumerate() if not isinstance(t, threading._DummyThread)}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for tid in tids:
+        if not tid.isdigit() or int(tid) in python:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # it has just ended
+        state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]  # (the name may hold spaces and parentheses)
+        if state == b"R":
+            return True
+    return False
+
+
+def _quiesce_native_threads(limit_s: float = _QUIESCE_S) -> bool:
+    """Wait until no native thread has run for two GIL switch intervals (a thread waiting for the
+    GIL sleeps, but asks for it within one interval and gets it: this thread sleeps or runs
+    bytecode meanwhile). Returns whether they went quiet within ``limit_s``."""
+    window = 2 * sys.getswitchinterval()
+    now = time.monotonic()
+    deadline = now + limit_s
+    quiet_since: float | None = None
+    while now < deadline:
+        if _native_thread_busy():
+            quiet_since = None
+        elif quiet_since is None:
+            quiet_since = now
+        elif now - quiet_since >= window:
+            return True
+        time.sleep(_QUIESCE_POLL_S)
+        now = time.monotonic()
+    return False
+
+
+_STARTED = [False]  # a shmcoll process group was created in this process (destroyed or not)
+
+
+def _at_exit() -> None:
+    """(atexit, before the interpreter finalizes) If torch.distributed ran here, let its threads
+    finish what they hold."""
+    if _STARTED[0] or dist.is_initialized():
+        _quiesce_native_threads()
 
 
 if BACKEND not in dist.Backend.backend_list:
     dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+atexit.register(_at_exit)

@@ -197,18 +197,3 @@ def run_ranks(fn: Any, world_size: int, *args: Any, timeout: float = 120.0, **gr
     finally:
         if not pool.broken:
             pool.close()
-
-
-# A known, open defect (see the stop-21 note on issue 15): under load, about one torch job in
-# 12-20 ends with libstdc++'s "terminate called without an active exception" (SIGABRT) in a
-# rank at interpreter exit, after every line of its work was printed. Tests that start a whole
-# torch job check its output first and then report this as an expected failure, not a pass.
-TORCH_EXIT_ABORT = "terminate called without an active exception"
-
-
-def xfail_if_torch_exit_abort(returncode: int, stderr: str) -> None:
-    """pytest.xfail if a torch job's only failure is the known abort at exit."""
-    import pytest
-
-    if returncode != 0 and TORCH_EXIT_ABORT in stderr:
-        pytest.xfail("known abort of a torch rank at interpreter exit (open defect, stop-21 note)")

@@ -142,9 +142,9 @@ def _stop_keeper() -> None:
     """At exit (after the communicators' own exit hooks, registered later): end the keeper.
 
     A daemon thread still alive when the interpreter finalizes is ended with ``pthread_exit``
-    the moment it wants the GIL back, which unwinds its C stack; with libstdc++ loaded (torch)
-    that was seen to abort the process ("terminate called without an active exception") when the
-    keeper had just returned from a call. A keeper that has returned cannot be caught so.
+    the moment it wants the GIL back, which unwinds its C stack: a thread that ends cleanly
+    before finalization never risks that. (The torch jobs' abort at exit that once suggested
+    this was a gloo worker thread, not the keeper: see ``shmcoll.torch``'s exit hook.)
     """
     global _KEEPER
     with _KEEPER_LOCK:
