@@ -196,6 +196,23 @@ class ProcessGroupShmcoll(dist.ProcessGroup):
     def _backend_name(self) -> str:
         return BACKEND
 
+    # torch names a group after creating it (``_set_group_name``) and keeps the name on the
+    # group's C++ backends; a Python process group has none, so ``group_name`` would raise
+    # "ProcessGroup name not set" where DeviceMesh (FSDP2's ``fully_shard``) asks for it.
+    def _set_group_name(self, name: str) -> None:
+        self._shmcoll_name = name
+
+    @property
+    def group_name(self) -> str:
+        return getattr(self, "_shmcoll_name", "")
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._shmcoll_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return getattr(self, "_shmcoll_desc", "")
+
     def shutdown(self) -> None:
         """Leave the communicator; the group's rank 0 also removes the job's shared memory."""
         self.comm.close()

@@ -339,6 +339,40 @@ def test_ddp_parameters_agree_and_match_one_process() -> None:
         np.testing.assert_allclose(a, b.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
+def _fsdp2(rank: int, n: int, steps: int) -> list[float]:
+    """FSDP2 (``fully_shard``, which builds a DeviceMesh on the default group) on CPU: the mean
+    loss per step."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(float(t) / n)
+    return losses
+
+
+def test_fsdp2_on_cpu_matches_gloo() -> None:
+    pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch.distributed.fsdp")
+    n, steps = 2, 4
+    ours = launch(_fsdp2, n, steps, deadline=180)
+    gloos = launch(_fsdp2, n, steps, deadline=180, backend="gloo")
+    assert ours[0] == ours[1] == gloos[0] == gloos[1], (ours, gloos)
+
+
 # --- failures -----------------------------------------------------------------------------------
 
 
