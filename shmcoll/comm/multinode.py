@@ -1526,6 +1526,41 @@ class MultiNodeCommunicator:
 
         return _P2PRequest(future, what, progress)
 
+    def probe(self, src: int = ANY_SOURCE, tag: int = ANY_TAG, *, timeout: float | None = None) -> Status:
+        """As :meth:`shmcoll.Communicator.probe`, over MPI (``Iprobe`` polled against the deadline).
+
+        MPI does not carry the sender's dtype, so ``count`` is in bytes here (as ``nbytes``).
+        """
+        return self._do("probe", self._probe, src, tag, timeout)  # type: ignore[no-any-return]
+
+    def _probe(self, src: int, tag: int, timeout: float | None) -> Status:
+        deadline = self._deadline(timeout)
+        next_check = time.monotonic() + _POLL_CHECK_S
+        while True:
+            found = self.iprobe(src, tag)
+            if found is not None:
+                return found
+            time.sleep(5e-5)
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + _POLL_CHECK_S
+                self._check_peers("probe")
+                if now > deadline:
+                    self._raise("timeout", f"probe timed out on {self._where()}: no matching message came", None)
+
+    def iprobe(self, src: int = ANY_SOURCE, tag: int = ANY_TAG) -> Status | None:
+        """:meth:`probe` without waiting: the message's :class:`~shmcoll.Status`, or ``None``."""
+        self._check_usable()
+        if src != ANY_SOURCE:
+            self._check_root(src)
+        MPI = self._MPI
+        status = MPI.Status()
+        source = MPI.ANY_SOURCE if src == ANY_SOURCE else src
+        if not self._world.Iprobe(source, MPI.ANY_TAG if tag == ANY_TAG else tag, status):
+            return None
+        nbytes = status.Get_count(MPI.BYTE)
+        return Status(source=status.Get_source(), tag=status.Get_tag(), count=nbytes, nbytes=nbytes)
+
     def sendrecv(
         self,
         x: np.ndarray,
@@ -1694,6 +1729,79 @@ class MultiNodeCommunicator:
 
     def alloc(self, *args: Any, **kw: Any) -> Any:
         raise UnsupportedError("alloc (zero-copy shared arrays) is for one node: use comm.node.alloc")
+
+
+class MultiNodePersistent:
+    """A persistent request of a :class:`MultiNodeCommunicator` (``comm.allreduce_init(...)`` and
+    the other ``_init`` forms): :meth:`start` starts the same nonblocking call again, on the same
+    buffers; :meth:`wait`, :meth:`test` and :attr:`done` as :class:`shmcoll.Persistent`'s. Its
+    arguments are checked at each start (over MPI there is no plan to keep)."""
+
+    def __init__(self, begin: Callable[[], MultiNodeRequest], what: str) -> None:
+        self._begin = begin
+        self.what = what
+        self._request: MultiNodeRequest | None = None
+
+    def __repr__(self) -> str:
+        state = "not started" if self._request is None else "done" if self._request.done else "started"
+        return f"<shmcoll.MultiNodePersistent {self.what} ({state})>"
+
+    def start(self) -> None:
+        """Start the call (again). RuntimeError if the previous start has not completed."""
+        if self._request is not None and not self._request.done:
+            raise RuntimeError(f"{self.what}: started again before the previous start completed (wait for it)")
+        self._request = self._begin()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Wait for the started call; returns what the blocking call returns."""
+        if self._request is None:
+            raise RuntimeError(f"{self.what}: wait() before any start()")
+        return self._request.wait(timeout)
+
+    def test(self) -> bool:
+        """Whether the started call has completed (raises its error if it failed)."""
+        if self._request is None:
+            raise RuntimeError(f"{self.what}: test() before any start()")
+        return self._request.test()
+
+    @property
+    def done(self) -> bool:
+        """Whether the last start has completed (False before any start)."""
+        return self._request is not None and self._request.done
+
+
+def _persistent_form(name: str) -> Callable[..., MultiNodePersistent]:
+    def init(self: MultiNodeCommunicator, *args: Any, **kw: Any) -> MultiNodePersistent:
+        begin = getattr(self, "i" + name)
+        return MultiNodePersistent(lambda: begin(*args, **kw), name)
+
+    init.__name__ = init.__qualname__ = f"{name}_init"
+    init.__doc__ = (
+        f"As :meth:`shmcoll.Communicator.{name}_init`: a :class:`MultiNodePersistent` whose ``start()`` "
+        f"runs :meth:`i{name}` with these arguments."
+    )
+    return init
+
+
+_PERSISTENT = (
+    "allreduce",
+    "reduce",
+    "broadcast",
+    "allgather",
+    "allgatherv",
+    "gather",
+    "gatherv",
+    "scatter",
+    "scatterv",
+    "reduce_scatter",
+    "alltoall",
+    "alltoallv",
+    "scan",
+    "exscan",
+    "barrier",
+)
+for _name in _PERSISTENT:
+    setattr(MultiNodeCommunicator, f"{_name}_init", _persistent_form(_name))
 
 
 def _fold(objs: list[Any], op: Any, n: int) -> Any:

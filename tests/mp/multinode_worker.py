@@ -221,7 +221,32 @@ def main() -> None:
     sbuf = np.empty(2, np.float32)
     st = comm.sendrecv(np.full(2, rank, np.float32), right, sbuf, left, 4, 4)
     assert st.source == left and (sbuf == left).all()
-    checks += 2
+    # probe: the size of a message before receiving it (in bytes over MPI)
+    if rank == 0:
+        comm.send(np.arange(6, dtype=np.float64), P - 1, tag=11)
+    if rank == P - 1:
+        st = comm.probe(tag=11)
+        assert st.source == 0 and st.tag == 11 and st.nbytes == 48, st
+        got6 = np.empty(st.nbytes // 8)
+        comm.recv(got6, st.source, st.tag)
+        close(got6, np.arange(6, dtype=np.float64), "probe then recv")
+        assert comm.iprobe(tag=11) is None
+    checks += 3
+    # persistent requests: the same call started again on new data in the same buffers
+    px, py = np.empty(64, np.float32), np.empty(64, np.float32)
+    preq = comm.allreduce_init(px, out=py)
+    pb = comm.broadcast_init(py, root=P - 1)
+    for i in range(3):
+        px[...] = rank + i
+        preq.start()
+        preq.wait()
+        close(py, np.full(64, sum(range(P)) + P * i, np.float32), f"persistent allreduce {i}")
+        if rank == P - 1:
+            py[...] = -i
+        pb.start()
+        pb.wait()
+        close(py, np.full(64, -i, np.float32), f"persistent broadcast {i}")
+    assert preq.done and pb.test()
     # split: even / odd world ranks
     sub = comm.split(rank % 2)
     sub_ranks = [r for r in range(P) if r % 2 == rank % 2]
