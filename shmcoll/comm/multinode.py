@@ -1567,15 +1567,15 @@ class MultiNodeCommunicator:
         dst: int,
         buf: np.ndarray,
         src: int = ANY_SOURCE,
-        send_tag: int = 0,
-        recv_tag: int = ANY_TAG,
         *,
+        sendtag: int = 0,
+        recvtag: int = ANY_TAG,
         timeout: float | None = None,
     ) -> Status:
-        """Send ``x`` to ``dst`` and receive into ``buf`` from ``src`` at once (no deadlock in a
-        ring of exchanges)."""
-        r = self.irecv(buf, src, recv_tag, timeout=timeout)
-        s = self.isend(x, dst, send_tag, timeout=timeout)
+        """As :meth:`shmcoll.Communicator.sendrecv`: send ``x`` to ``dst`` and receive into ``buf``
+        from ``src`` at once (no deadlock in a ring of exchanges)."""
+        r = self.irecv(buf, src, recvtag, timeout=timeout)
+        s = self.isend(x, dst, sendtag, timeout=timeout)
         s.wait()
         return r.wait()  # type: ignore[no-any-return]
 

@@ -219,7 +219,7 @@ def main() -> None:
     st = rr_.wait()
     assert st.source == left and (rbuf == left).all(), (st, rbuf)
     sbuf = np.empty(2, np.float32)
-    st = comm.sendrecv(np.full(2, rank, np.float32), right, sbuf, left, 4, 4)
+    st = comm.sendrecv(np.full(2, rank, np.float32), right, sbuf, left, sendtag=4, recvtag=4)
     assert st.source == left and (sbuf == left).all()
     # probe: the size of a message before receiving it (in bytes over MPI)
     if rank == 0:

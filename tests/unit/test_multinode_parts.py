@@ -86,3 +86,27 @@ def test_simulate_nodes_prints_a_row_per_node_count() -> None:
     assert proc.returncode == 0, proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines() if not line.startswith("#")]
     assert [r[0] for r in rows] == ["2", "64", "1024"] and [r[1] for r in rows] == ["4", "128", "2048"]
+
+
+def test_same_signatures_as_the_communicator() -> None:
+    """Code written for a Communicator runs on a MultiNodeCommunicator: every public method exists
+    and takes the same parameter names, kinds and defaults (looser counts defaults aside)."""
+    import inspect
+
+    from shmcoll.comm.communicator import Communicator
+    from shmcoll.comm.multinode import MultiNodeCommunicator
+
+    looser = {"alloc", "iallgatherv", "ialltoallv"}  # alloc refuses; counts may default there
+    for name in dir(Communicator):
+        method = getattr(Communicator, name)
+        if name.startswith("_") or not callable(method) or name.endswith("_init"):
+            continue
+        assert hasattr(MultiNodeCommunicator, name), name
+        if name in looser:
+            continue
+        ours = [(p.name, p.kind, p.default) for p in inspect.signature(method).parameters.values()]
+        theirs = [
+            (p.name, p.kind, p.default)
+            for p in inspect.signature(getattr(MultiNodeCommunicator, name)).parameters.values()
+        ]
+        assert ours == theirs, name
