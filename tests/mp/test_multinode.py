@@ -6,6 +6,7 @@ checks every collective against numpy and bitwise across ranks. Skipped without 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -44,6 +45,34 @@ def mpirun_command(n: int, *args: str, recovery: bool = False) -> list[str]:
     return cmd + [sys.executable, WORKER, *args]
 
 
+def _mpi_segments() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("sm_segment.")}
+
+
+def _mapped(path: str) -> bool:
+    """Whether any process still maps ``path`` (a live job's segment)."""
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/maps") as f:
+                    if path in f.read():
+                        return True
+            except OSError:
+                continue
+    return False
+
+
+def _drop_our_mpi_segments(before: set[str]) -> None:
+    """Open MPI unlinks its shared-memory segment in MPI_Finalize; ranks that a test kills, or that
+    leave with ``os._exit`` after a peer died, never get there. Remove what this launch left:
+    segments that were not there before it and that no process maps any more."""
+    for name in _mpi_segments() - before:
+        path = os.path.join("/dev/shm", name)
+        if not _mapped(path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
 def launch(
     n: int, sizes: str, mode: str, deadline_s: float, recovery: bool = False, timeout_s: float = 20
 ) -> tuple[str, float]:
@@ -53,6 +82,7 @@ def launch(
     else:
         env["SHMCOLL_NODE_SIZES"] = sizes
     t0 = time.monotonic()
+    before = _mpi_segments()
     proc = subprocess.Popen(
         mpirun_command(n, mode, recovery=recovery),
         cwd=ROOT,
@@ -66,7 +96,9 @@ def launch(
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         out, _ = proc.communicate()
+        _drop_our_mpi_segments(before)
         pytest.fail(f"mpirun -n {n} ({sizes}) {mode} hung past {deadline_s} s:\n{out.decode(errors='replace')[-4000:]}")
+    _drop_our_mpi_segments(before)
     return out.decode(errors="replace"), time.monotonic() - t0
 
 
