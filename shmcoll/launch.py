@@ -730,7 +730,7 @@ def init(timeout: float | None = None) -> Communicator:
     cfg = config.get()
     if cfg.rank is None and cfg.world_size is None and not cfg.handle:
         foreign = _foreign_launcher()
-        if foreign is not None and foreign[0].startswith("mpirun") and _mpi_world_size() == foreign[3]:
+        if foreign is not None and foreign[0].startswith("mpirun") and _mpi4py_speaks_for(foreign[0]):
             return init_mpi(timeout=timeout)  # type: ignore[no-any-return]
         if foreign is not None:
             launcher, variables, rank, size = foreign
@@ -762,19 +762,34 @@ def init(timeout: float | None = None) -> Communicator:
     return comm
 
 
-def _mpi_world_size() -> int | None:
-    """The size of mpi4py's ``MPI.COMM_WORLD`` (None without mpi4py): the launcher's world size
-    when mpi4py's MPI is the one that started this process."""
+def _mpi_library() -> str:
+    """The first line of ``MPI.Get_library_version()`` of the MPI mpi4py would load ("" without
+    mpi4py or a usable MPI), asked in a child process that never initializes MPI: initializing it
+    here just to look would start a singleton MPI job, which (Open MPI's, at least) leaves its
+    shared-memory segment in /dev/shm even after ``MPI_Finalize``."""
     import importlib.util
 
     if importlib.util.find_spec("mpi4py") is None:
-        return None
+        return ""
+    code = (
+        "import mpi4py; mpi4py.rc.initialize = mpi4py.rc.finalize = False\n"
+        "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
+    )
     try:
-        from mpi4py import MPI
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return proc.stdout.strip() if proc.returncode == 0 else ""
 
-        return int(MPI.COMM_WORLD.Get_size())
-    except Exception:  # noqa: BLE001  (no usable MPI library)
-        return None
+
+def _mpi4py_speaks_for(launcher: str) -> bool:
+    """Whether mpi4py's MPI is the family of the launcher that started this process (Open MPI's
+    ``mpirun`` sets ``OMPI_*``; MPICH's and Intel MPI's set ``PMI_*``): then ``init_mpi`` joins its
+    job; otherwise MPI would start a job of one, and ``init`` says what to do instead."""
+    library = _mpi_library()
+    if "(Open MPI)" in launcher:
+        return library.startswith("Open MPI")
+    return library.startswith(("MPICH", "Intel"))
 
 
 def init_mpi(comm: Any = None, node_id: int | None = None, timeout: float | None = None) -> Any:

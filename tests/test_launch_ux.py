@@ -300,10 +300,14 @@ def test_init_under_another_launcher_says_what_to_do() -> None:
     message = proc.stderr.strip().splitlines()[-1]
     assert "rank 1 of 4 started by torchrun" in message
     assert "shmcoll run -n 4" in message and "import shmcoll.torch" in message
+    mpi_segments = {n for n in os.listdir("/dev/shm") if n.startswith("sm_segment.")}
     proc = subprocess.run(
         [sys.executable, "-c", code], env=_env(PMI_RANK="0", PMI_SIZE="2"), capture_output=True, text=True, timeout=60
     )
     assert proc.returncode != 0 and "mpirun" in proc.stderr and "shmcoll run -n 2" in proc.stderr
+    # Telling whether mpi4py's MPI could join that launcher's job must not start MPI here: an
+    # Open MPI job of one leaves its shared-memory segment behind, even after MPI_Finalize.
+    assert {n for n in os.listdir("/dev/shm") if n.startswith("sm_segment.")} <= mpi_segments
 
 
 # --- spawn's mistakes, before anything starts -------------------------------------------------------

@@ -151,3 +151,19 @@ def test_a_late_rank_makes_every_node_time_out() -> None:
         if rank < 2:
             assert float(line.split()[1]) < 5, line
             assert "CollectiveTimeout" in line or "timed out" in line, line
+
+
+def test_init_under_mpirun_joins_the_mpi_job() -> None:
+    """``shmcoll.init()`` started by Open MPI's mpirun (with mpi4py over Open MPI) is init_mpi():
+    a plain Communicator on one machine, a MultiNodeCommunicator across emulated nodes."""
+    code = "import shmcoll; c = shmcoll.init(); print('MNRESULT', c.rank, type(c).__name__, c.world_size)"
+    for sizes, kind in (("", "Communicator"), ("1", "MultiNodeCommunicator")):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("SHMCOLL_NODE_SIZES", None)
+        if sizes:
+            env["SHMCOLL_NODE_SIZES"] = sizes
+        before = _mpi_segments()
+        cmd = mpirun_command(2)[:-1] + ["-c", code]  # (mpirun_command ends with the worker's path)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        _drop_our_mpi_segments(before)
+        assert results(proc.stdout) == {0: f"{kind} 2", 1: f"{kind} 2"}, proc.stdout + proc.stderr
