@@ -63,6 +63,7 @@ from shmcoll import config
 from shmcoll.comm import arrays
 from shmcoll.comm.communicator import Communicator
 from shmcoll.comm.p2p import ANY_SOURCE, ANY_TAG, Status
+from shmcoll.comm.persistent import Persistent
 from shmcoll.errors import (
     CollectiveTimeout,
     CommunicatorBrokenError,
@@ -1731,54 +1732,16 @@ class MultiNodeCommunicator:
         raise UnsupportedError("alloc (zero-copy shared arrays) is for one node: use comm.node.alloc")
 
 
-class MultiNodePersistent:
-    """A persistent request of a :class:`MultiNodeCommunicator` (``comm.allreduce_init(...)`` and
-    the other ``_init`` forms): :meth:`start` starts the same nonblocking call again, on the same
-    buffers; :meth:`wait`, :meth:`test` and :attr:`done` as :class:`shmcoll.Persistent`'s. Its
-    arguments are checked at each start (over MPI there is no plan to keep)."""
-
-    def __init__(self, begin: Callable[[], MultiNodeRequest], what: str) -> None:
-        self._begin = begin
-        self.what = what
-        self._request: MultiNodeRequest | None = None
-
-    def __repr__(self) -> str:
-        state = "not started" if self._request is None else "done" if self._request.done else "started"
-        return f"<shmcoll.MultiNodePersistent {self.what} ({state})>"
-
-    def start(self) -> None:
-        """Start the call (again). RuntimeError if the previous start has not completed."""
-        if self._request is not None and not self._request.done:
-            raise RuntimeError(f"{self.what}: started again before the previous start completed (wait for it)")
-        self._request = self._begin()
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Wait for the started call; returns what the blocking call returns."""
-        if self._request is None:
-            raise RuntimeError(f"{self.what}: wait() before any start()")
-        return self._request.wait(timeout)
-
-    def test(self) -> bool:
-        """Whether the started call has completed (raises its error if it failed)."""
-        if self._request is None:
-            raise RuntimeError(f"{self.what}: test() before any start()")
-        return self._request.test()
-
-    @property
-    def done(self) -> bool:
-        """Whether the last start has completed (False before any start)."""
-        return self._request is not None and self._request.done
-
-
-def _persistent_form(name: str) -> Callable[..., MultiNodePersistent]:
-    def init(self: MultiNodeCommunicator, *args: Any, **kw: Any) -> MultiNodePersistent:
+def _persistent_form(name: str) -> Callable[..., Persistent]:
+    def init(self: MultiNodeCommunicator, *args: Any, **kw: Any) -> Persistent:
         begin = getattr(self, "i" + name)
-        return MultiNodePersistent(lambda: begin(*args, **kw), name)
+        return Persistent(lambda: begin(*args, **kw), name)
 
     init.__name__ = init.__qualname__ = f"{name}_init"
     init.__doc__ = (
-        f"As :meth:`shmcoll.Communicator.{name}_init`: a :class:`MultiNodePersistent` whose ``start()`` "
-        f"runs :meth:`i{name}` with these arguments."
+        f"As :meth:`shmcoll.Communicator.{name}_init`: a :class:`shmcoll.Persistent` whose ``start()`` "
+        f"runs :meth:`i{name}` with these arguments again (checked at each start: over MPI there is "
+        "no plan to keep)."
     )
     return init
 

@@ -13,14 +13,14 @@ The buffers belong to the request while it is started; between a ``wait()`` and 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from shmcoll import collectives, config
 from shmcoll.comm import bind
-from shmcoll.comm.requests import Request
 from shmcoll.comm.runtime import Runtime
 from shmcoll.types import ReduceOp
 
@@ -29,16 +29,18 @@ _BY = collectives.BY_NAME
 
 
 class Persistent:
-    """A collective bound once; :meth:`start` runs it again, :meth:`wait` completes it."""
+    """A collective bound once; :meth:`start` runs it again, :meth:`wait` completes it.
 
-    __slots__ = ("_rt", "_bound", "_timeout", "what", "_active")
+    ``begin()`` starts the call and returns its request (a :class:`~shmcoll.Request`, or any
+    object with ``wait``, ``test`` and ``done``: the multi-node communicator's are MPI-driven).
+    """
 
-    def __init__(self, rt: Any, bound: Any, timeout: float | None, what: str) -> None:
-        self._rt = rt
-        self._bound = bound
-        self._timeout = timeout
+    __slots__ = ("_begin", "what", "_active")
+
+    def __init__(self, begin: Callable[[], Any], what: str) -> None:
+        self._begin = begin
         self.what = what
-        self._active: Request | None = None
+        self._active: Any = None
 
     def __repr__(self) -> str:
         state = "inactive" if self._active is None or self._active.done else "started"
@@ -49,7 +51,7 @@ class Persistent:
         active = self._active
         if active is not None and not active.done:
             raise RuntimeError(f"{self.what} is started already: wait() for it before starting it again")
-        self._active = self._rt._start(self._bound, self._timeout, self.what)
+        self._active = self._begin()
 
     def wait(self, timeout: float | None = None) -> Any:
         """Wait until the started call completes; returns what the blocking call returns.
@@ -82,7 +84,7 @@ class PersistentForms(Runtime):
     def _persistent(self, b: Any, timeout: float | None, what: str) -> Persistent:
         if timeout is not None:
             config.timeout_s(timeout)
-        return Persistent(self, b, timeout, what)
+        return Persistent(functools.partial(self._start, b, timeout, what), what)
 
     def allreduce_init(
         self,
