@@ -171,8 +171,12 @@ def _tell(compiling: bool) -> None:
 
 def payload_dtype(args: tuple[Any, ...]) -> str:
     """The dtype a compile is for: its arrays' element type other than the int64 of tables and
-    control words, e.g. ``float32`` for ``execute(handles, x, out)``; ``int64`` for a function of
-    three int64 arrays or more (the engine's int64 payload); "" for control kernels."""
+    control words, e.g. ``float32`` for ``execute(handles, x, out)`` and ``execute_at(record,
+    np.float32)``; ``int64`` for a function of three int64 arrays or more, or of the scalar type
+    ``np.int64`` (the engine's int64 payload); "" for control kernels."""
+    scalar = [str(a.instance_type) for a in args if isinstance(a, types.NumberClass)]
+    if scalar:  # execute_at
+        return scalar[0]
     names = [str(a.dtype) for a in args if isinstance(a, types.Array)]
     return next((n for n in reversed(names) if n != "int64"), "int64" if len(names) >= 3 else "")
 

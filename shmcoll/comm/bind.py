@@ -28,6 +28,7 @@ from shmcoll.collectives import Collective
 from shmcoll.comm import arrays, device, registered, tensors
 from shmcoll.comm.calls import Bound, Call
 from shmcoll.comm.runtime import Runtime
+from shmcoll.engine import cpu as engine
 from shmcoll.types import dtype_str
 
 
@@ -129,8 +130,37 @@ def _remember(rt: Runtime, coll: Collective, x: Any, out: Any, op: Any, root: An
         guard = tensors.layout_of(x, out)
     else:
         return b
-    rt._memo[coll.code] = (x, out, op, root, algorithm, (out if x is None else x).dtype, b[4], b, guard)
+    call = b[0]
+    enter = None if call.finish else lean_entry(call.engine_dtype)
+    record = None if enter is None else engine.record_for(call.start, b[1], b[2])
+    rt._memo[coll.code] = (
+        x,
+        out,
+        op,
+        root,
+        algorithm,
+        (out if x is None else x).dtype,
+        b[4],
+        b,
+        guard,
+        enter,
+        0 if record is None else record.ctypes.data,
+        call.engine_dtype.type,
+        record,
+    )
     return b
+
+
+_ENTRIES: dict[np.dtype, Any] = {}
+
+
+def lean_entry(dtype: np.dtype) -> Any:
+    """The engine's entry for a remembered call of engine dtype ``dtype`` (``engine.execute_at``,
+    compiled on first use), or None for a dtype it does not take (a non-native byte order)."""
+    enter = _ENTRIES.get(dtype, False)
+    if enter is False:
+        enter = _ENTRIES[dtype] = engine.entry_at(dtype) if dtype.isnative and dtype.kind in "iufc" else None
+    return enter
 
 
 def _returned(b: Any, given: tuple[Any, Any], bound_with: tuple[Any, Any]) -> Any:

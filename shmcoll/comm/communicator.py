@@ -20,6 +20,7 @@ from shmcoll.comm import p2p as p2p_module
 from shmcoll.comm.p2p import ANY_SOURCE, ANY_TAG, Status
 from shmcoll.comm.persistent import PersistentForms
 from shmcoll.comm.requests import Request
+from shmcoll.comm.runtime import MISS
 from shmcoll.shm import layout
 from shmcoll.shm.arena import Arena
 from shmcoll.shm.registered import SharedArray
@@ -123,7 +124,10 @@ class Communicator(PersistentForms):
                 (:class:`~shmcoll.CollectiveMismatchError`); raised on every rank involved, after
                 which the communicator is broken.
         """
-        return self._run(bind.elementwise(self, _ALLREDUCE, x, out, op, 0, algorithm), timeout)  # type: ignore[no-any-return]
+        r = self._again(_ALLREDUCE.code, x, out, op, 0, algorithm, timeout)
+        if r is MISS:
+            r = self._run(bind.elementwise(self, _ALLREDUCE, x, out, op, 0, algorithm), timeout)
+        return r  # type: ignore[no-any-return]
 
     def reduce(
         self,
@@ -167,7 +171,10 @@ class Communicator(PersistentForms):
                 (:class:`~shmcoll.CollectiveMismatchError`); raised on every rank involved, after
                 which the communicator is broken.
         """
-        return self._run(bind.elementwise(self, _REDUCE, x, out, op, root, algorithm), timeout)  # type: ignore[no-any-return]
+        r = self._again(_REDUCE.code, x, out, op, root, algorithm, timeout)
+        if r is MISS:
+            r = self._run(bind.elementwise(self, _REDUCE, x, out, op, root, algorithm), timeout)
+        return r  # type: ignore[no-any-return]
 
     def broadcast(
         self,
@@ -210,7 +217,10 @@ class Communicator(PersistentForms):
                 (:class:`~shmcoll.CollectiveMismatchError`); raised on every rank involved, after
                 which the communicator is broken.
         """
-        return self._run(bind.elementwise(self, _BROADCAST, x, out, None, root, algorithm), timeout)  # type: ignore[no-any-return]
+        r = self._again(_BROADCAST.code, x, out, None, root, algorithm, timeout)
+        if r is MISS:
+            r = self._run(bind.elementwise(self, _BROADCAST, x, out, None, root, algorithm), timeout)
+        return r  # type: ignore[no-any-return]
 
     def allgather(
         self, x: np.ndarray, *, out: np.ndarray | None = None, algorithm: str = "auto", timeout: float | None = None
@@ -245,7 +255,10 @@ class Communicator(PersistentForms):
                 (:class:`~shmcoll.CollectiveMismatchError`); raised on every rank involved, after
                 which the communicator is broken.
         """
-        return self._run(bind.gathering(self, _ALLGATHER, x, out, 0, algorithm), timeout)  # type: ignore[no-any-return]
+        r = self._again(_ALLGATHER.code, x, out, None, 0, algorithm, timeout)
+        if r is MISS:
+            r = self._run(bind.gathering(self, _ALLGATHER, x, out, 0, algorithm), timeout)
+        return r  # type: ignore[no-any-return]
 
     def gather(
         self,
@@ -283,7 +296,10 @@ class Communicator(PersistentForms):
                 (:class:`~shmcoll.CollectiveMismatchError`); raised on every rank involved, after
                 which the communicator is broken.
         """
-        return self._run(bind.gathering(self, _GATHER, x, out, root, algorithm), timeout)  # type: ignore[no-any-return]
+        r = self._again(_GATHER.code, x, out, None, root, algorithm, timeout)
+        if r is MISS:
+            r = self._run(bind.gathering(self, _GATHER, x, out, root, algorithm), timeout)
+        return r  # type: ignore[no-any-return]
 
     def scatter(
         self,
@@ -326,7 +342,10 @@ class Communicator(PersistentForms):
                 (:class:`~shmcoll.CollectiveMismatchError`); raised on every rank involved, after
                 which the communicator is broken.
         """
-        return self._run(bind.scattering(self, _SCATTER, x, out, None, root, algorithm), timeout)  # type: ignore[no-any-return]
+        r = self._again(_SCATTER.code, x, out, None, root, algorithm, timeout)
+        if r is MISS:
+            r = self._run(bind.scattering(self, _SCATTER, x, out, None, root, algorithm), timeout)
+        return r  # type: ignore[no-any-return]
 
     def reduce_scatter(
         self,
@@ -381,7 +400,10 @@ class Communicator(PersistentForms):
                 (:class:`~shmcoll.CollectiveMismatchError`); raised on every rank involved, after
                 which the communicator is broken.
         """
-        return self._run(self._bind_reduce_scatter(x, op, counts, out, algorithm), timeout)  # type: ignore[no-any-return]
+        r = MISS if counts is not None else self._again(_REDUCE_SCATTER.code, x, out, op, 0, algorithm, timeout)
+        if r is MISS:
+            r = self._run(self._bind_reduce_scatter(x, op, counts, out, algorithm), timeout)
+        return r  # type: ignore[no-any-return]
 
     def _bind_reduce_scatter(self, x: Any, op: Any, counts: Any, out: Any, algorithm: str) -> Any:
         if counts is None:
@@ -422,7 +444,10 @@ class Communicator(PersistentForms):
                 (:class:`~shmcoll.CollectiveMismatchError`); raised on every rank involved, after
                 which the communicator is broken.
         """
-        return self._run(bind.elementwise(self, _ALLTOALL, x, out, None, 0, algorithm), timeout)  # type: ignore[no-any-return]
+        r = self._again(_ALLTOALL.code, x, out, None, 0, algorithm, timeout)
+        if r is MISS:
+            r = self._run(bind.elementwise(self, _ALLTOALL, x, out, None, 0, algorithm), timeout)
+        return r  # type: ignore[no-any-return]
 
     def allgatherv(
         self,
@@ -651,7 +676,10 @@ class Communicator(PersistentForms):
                 (:class:`~shmcoll.CollectiveMismatchError`); raised on every rank involved, after
                 which the communicator is broken.
         """
-        return self._run(bind.elementwise(self, _SCAN, x, out, op, 0, algorithm), timeout)  # type: ignore[no-any-return]
+        r = self._again(_SCAN.code, x, out, op, 0, algorithm, timeout)
+        if r is MISS:
+            r = self._run(bind.elementwise(self, _SCAN, x, out, op, 0, algorithm), timeout)
+        return r  # type: ignore[no-any-return]
 
     def exscan(
         self,
@@ -695,7 +723,10 @@ class Communicator(PersistentForms):
                 (:class:`~shmcoll.CollectiveMismatchError`); raised on every rank involved, after
                 which the communicator is broken.
         """
-        return self._run(bind.elementwise(self, _EXSCAN, x, out, op, 0, algorithm), timeout)  # type: ignore[no-any-return]
+        r = self._again(_EXSCAN.code, x, out, op, 0, algorithm, timeout)
+        if r is MISS:
+            r = self._run(bind.elementwise(self, _EXSCAN, x, out, op, 0, algorithm), timeout)
+        return r  # type: ignore[no-any-return]
 
     def barrier(self, *, timeout: float | None = None) -> None:
         """Return once every rank has entered the barrier.

@@ -59,6 +59,7 @@ would never wait for it.
 
 from __future__ import annotations
 
+import numpy as np
 from numba import carray
 
 from shmcoll.jit import jit
@@ -394,6 +395,8 @@ def _peers_alive(ctrl, state):  # type: ignore[no-untyped-def]
     return -1
 
 
+_WORDS = np.int64  # (the scalar type of control words, for address_as_pointer)
+
 # The table of fixed arrays (see the module docstring): address and element count of each.
 (H_PROG, H_PROG_ROWS, H_TMP, H_TMP_LEN, H_DATA, H_DATA_LEN, H_CTRL, H_CTRL_LEN, H_STATE, H_STATE_LEN) = range(10)
 HANDLE_WORDS = 10
@@ -401,8 +404,6 @@ HANDLE_WORDS = 10
 
 def handles_for(prog, tmp, data, ctrl, state):  # type: ignore[no-untyped-def]
     """The table :func:`execute` takes for these arrays (which the caller must keep alive)."""
-    import numpy as np
-
     h = np.zeros(HANDLE_WORDS, np.int64)
     for i, a in ((H_PROG, prog), (H_TMP, tmp), (H_DATA, data), (H_CTRL, ctrl), (H_STATE, state)):
         h[i] = a.ctypes.data
@@ -420,6 +421,48 @@ def execute(handles, inp, out):  # type: ignore[no-untyped-def]
     ctrl = carray(address_as_pointer(handles[H_CTRL], handles), handles[H_CTRL_LEN])
     state = carray(address_as_pointer(handles[H_STATE], handles), handles[H_STATE_LEN])
     return _execute(prog, inp, out, tmp, data, ctrl, state)
+
+
+# The record :func:`execute_at` takes: the address of the call's handles, then its buffers'.
+(RC_HANDLES, RC_INP, RC_INP_LEN, RC_OUT, RC_OUT_LEN) = range(5)
+RECORD_WORDS = 5
+
+
+def record_for(handles, inp, out):  # type: ignore[no-untyped-def]
+    """The record :func:`execute_at` takes for these arrays (which the caller must keep alive)."""
+    r = np.zeros(RECORD_WORDS, np.int64)
+    r[RC_HANDLES] = handles.ctypes.data
+    r[RC_INP], r[RC_INP_LEN] = inp.ctypes.data, inp.shape[0]
+    r[RC_OUT], r[RC_OUT_LEN] = out.ctypes.data, out.shape[0]
+    return r
+
+
+@jit
+def execute_at(record, dtype):  # type: ignore[no-untyped-def]
+    """:func:`execute` for a call whose buffers are fixed: ``record`` is the address of its
+    :func:`record_for` words, ``dtype`` the engine dtype's scalar type (``np.float32``).
+
+    Two plain Python objects instead of three arrays: entered through its compiled entry point
+    (:func:`entry_at`), it skips numba's dispatch and the unboxing of the arrays, and every array
+    inside is a view without a reference count (numba's reference counting of the caller's arrays,
+    atomic increments at every inner call, was half of the engine's own time for a small call).
+    """
+    rec = carray(address_as_pointer(record, _WORDS), RECORD_WORDS)
+    handles = carray(address_as_pointer(rec[RC_HANDLES], _WORDS), HANDLE_WORDS)
+    inp = carray(address_as_pointer(rec[RC_INP], dtype), rec[RC_INP_LEN])
+    out = carray(address_as_pointer(rec[RC_OUT], dtype), rec[RC_OUT_LEN])
+    return execute(handles, inp, out)
+
+
+def entry_at(dtype):  # type: ignore[no-untyped-def]
+    """The compiled entry point of :func:`execute_at` for engine dtype ``dtype`` (compiled, or
+    loaded from the cache, on first use), or None where numba does not expose one; call it as
+    ``entry(record.ctypes.data, dtype.type)``."""
+    from numba import types
+    from numba.np.numpy_support import from_dtype
+
+    entry = execute_at.compile((types.int64, types.NumberClass(from_dtype(dtype))))
+    return entry if callable(entry) else None
 
 
 @jit
@@ -509,8 +552,6 @@ def release(state):  # type: ignore[no-untyped-def]
 
 def new_state(layout, rank: int, *, spin_ns: int, yields: int, sleep_ns: int, slice_ns: int):  # type: ignore[no-untyped-def]
     """A fresh engine state for ``rank`` of an arena with this ``layout``."""
-    import numpy as np
-
     state = np.zeros(STATE_WORDS, dtype=np.int64)
     state[S_RANK] = rank
     state[S_WORLD] = layout.world_size

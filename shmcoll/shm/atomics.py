@@ -293,10 +293,15 @@ def monotonic_ns(typingctx):  # type: ignore[no-untyped-def]
 
 @intrinsic
 def address_as_pointer(typingctx, address, like):  # type: ignore[no-untyped-def]
-    """``address`` as a pointer to elements of ``like``'s dtype (``like`` only gives the type)."""
-    if not isinstance(like, types.Array):
-        raise TypeError("like must be an array")
-    sig = types.CPointer(like.dtype)(types.int64, like)
+    """``address`` as a pointer to elements of ``like``'s dtype (``like`` only gives the type: an
+    array, or a numpy scalar type such as ``np.float32``)."""
+    if isinstance(like, types.Array):
+        elem = like.dtype
+    elif isinstance(like, types.NumberClass):
+        elem = like.instance_type
+    else:
+        raise TypeError("like must be an array or a numpy scalar type")
+    sig = types.CPointer(elem)(types.int64, like)
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
         return builder.inttoptr(args[0], context.get_value_type(sig.return_type))

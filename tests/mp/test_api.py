@@ -358,6 +358,61 @@ def _repeated(comm):  # type: ignore[no-untyped-def]
     return seen
 
 
+def _lean_loops(comm):  # type: ignore[no-untyped-def]
+    """Loops of the same call on the same arrays take the lean path (Runtime._again) after their
+    first call; every iteration's result must be the exact one for that iteration's data."""
+    n, r = comm.world_size, comm.rank
+    wrong = []
+    x, y = np.empty(5, np.int64), np.empty(5, np.int64)
+    blocks, mine = np.empty((n, 3), np.int32), np.empty(3, np.int32)
+    stacked, a2a = np.empty((n, 3), np.int32), np.empty((n, 3), np.int32)
+    row = mine[None]  # reduce_scatter's result: one of world_size rows
+    for k in range(6):
+        x[...] = r + k
+        comm.allreduce(x, out=y)
+        wrong += [] if (y == sum(q + k for q in range(n))).all() else [("allreduce", k, y.tolist())]
+        comm.allreduce(x, ReduceOp.MAX)
+        wrong += [] if (x == n - 1 + k).all() else [("allreduce in place", k, x.tolist())]
+        x[...] = r * k
+        res = comm.reduce(x, 1 % n, out=y if r == 1 % n else None)
+        if r == 1 % n:
+            wrong += [] if (y == k * sum(range(n))).all() else [("reduce", k, y.tolist())]
+        elif res is not None:
+            wrong.append(("reduce off root returned", res))
+        mine[...] = r + 10 * k
+        comm.broadcast(mine, root=n - 1)
+        wrong += [] if (mine == n - 1 + 10 * k).all() else [("broadcast", k, mine.tolist())]
+        mine[...] = r + 10 * k
+        comm.allgather(mine, out=stacked)
+        wrong += [] if (stacked[:, 0] == np.arange(n) + 10 * k).all() else [("allgather", k, stacked.tolist())]
+        blocks[...] = np.arange(n)[:, None] * 100 + r + k
+        comm.alltoall(blocks, out=a2a)
+        wrong += [] if (a2a[:, 0] == 100 * r + np.arange(n) + k).all() else [("alltoall", k, a2a.tolist())]
+        comm.reduce_scatter(blocks, out=row)
+        wrong += [] if (mine == n * 100 * r + sum(range(n)) + n * k).all() else [("reduce_scatter", k, mine.tolist())]
+        comm.scatter(blocks if r == 0 else None, out=mine, root=0)
+        wrong += [] if (mine == 100 * r + k).all() else [("scatter", k, mine.tolist())]
+    lean = [c.name for c in shmcoll.collectives.BY_NAME.values() if (comm._memo[c.code] or [None] * 10)[9]]
+    # What the lean path must leave to the run loop: a timeout given, started operations first.
+    x[...] = 1
+    comm.allreduce(x, out=y, timeout=30)
+    wrong += [] if (y == n).all() else [("with a timeout", y.tolist())]
+    pending = np.full(1 << 14, r, np.float64)
+    req = comm.iallreduce(pending)
+    comm.allreduce(x, out=y)  # runs after the started one, in order on every rank
+    req.wait()
+    wrong += [] if (pending == sum(range(n))).all() and (y == n).all() else [("after a started call",)]
+    return wrong, sorted(lean)
+
+
+def test_lean_path_loops_give_every_iterations_result(pools) -> None:  # type: ignore[no-untyped-def]
+    for n in (1, 2, 3):
+        for wrong, lean in pools.get(n).run(_lean_loops):
+            assert wrong == [], wrong
+            want = {"allreduce", "reduce", "broadcast", "allgather", "alltoall", "reduce_scatter", "scatter"}
+            assert want <= set(lean), lean
+
+
 def test_repeated_calls_notice_what_changed(pools) -> None:  # type: ignore[no-untyped-def]
     n = 3
     results = pools.get(n).run(_repeated)

@@ -60,6 +60,58 @@ def test_survivors_raise_peer_lost_within_two_seconds(tmp_path) -> None:  # type
         assert "rank 2" in text and "allreduce" in text and "call #" in text and "step" in text
 
 
+def _small_loop_report(comm, victim, results_path):  # type: ignore[no-untyped-def]
+    """A loop of 8-byte allreduces on the same array (the lean path, Runtime._again): the victim
+    leaves in the middle of the loop; every survivor must raise PeerLostError naming it, and a
+    late-but-alive rank must still time out with the communicator's timeout."""
+    x = np.ones(1, np.float64)
+    for _ in range(3):
+        comm.allreduce(x)
+    comm.barrier()
+    t0 = time.monotonic()
+    try:
+        for i in range(200000):
+            if comm.rank == victim and i == 5000:
+                os._exit(7)
+            comm.allreduce(x)
+        out = ("no error", time.monotonic() - t0, None, "")
+    except PeerLostError as exc:
+        out = ("lost", time.monotonic() - t0, exc.dead_rank, str(exc))
+    with open(f"{results_path}.{comm.rank}", "w") as f:
+        f.write(repr(out))
+    return out
+
+
+def test_peer_lost_in_a_loop_of_small_calls(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = str(tmp_path / "r")
+    with pytest.raises(shmcoll.SpawnError):
+        shmcoll.spawn(_small_loop_report, nprocs=3, args=(1, path), timeout=120)
+    for rank in (0, 2):
+        with open(f"{path}.{rank}") as f:
+            kind, elapsed, dead, text = ast.literal_eval(f.read())
+        assert kind == "lost" and dead == 1, (rank, kind, text)
+        assert "allreduce" in text
+
+
+def _late_in_a_small_loop(comm):  # type: ignore[no-untyped-def]
+    x = np.ones(1, np.float64)
+    for _ in range(3):
+        comm.allreduce(x)
+    if comm.rank == 1:
+        time.sleep(2.0)  # late, but alive
+        return None
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveTimeout):
+        for _ in range(3):
+            comm.allreduce(x)  # lean: the communicator's timeout (0.5 s) still applies
+    return time.monotonic() - t0
+
+
+def test_timeout_applies_in_a_loop_of_small_calls() -> None:
+    results = shmcoll.spawn(_late_in_a_small_loop, nprocs=2, timeout=120, comm_timeout=0.5)
+    assert 0.45 < results[0] < 1.9, results
+
+
 def _dies_between_calls(comm):  # type: ignore[no-untyped-def]
     comm.barrier()
     if comm.rank == 1:
