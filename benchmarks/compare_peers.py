@@ -99,10 +99,11 @@ class Plan:
     check: bool = True
     timeout_s: float = 600.0
     workdir: str = ""
+    out_of_place: bool = False  # allreduce only (--out-of-place): x -> out instead of in place
 
     @property
     def mode(self) -> str:
-        return MODES[self.collective]
+        return "out-of-place" if self.out_of_place else MODES[self.collective]
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -177,13 +178,16 @@ class Case:
     in place on ``x`` (``out`` is ``x``), the reduction landing on the root.
     """
 
-    def __init__(self, comm: PeerComm, collective: str, nbytes: int) -> None:
+    def __init__(self, comm: PeerComm, collective: str, nbytes: int, out_of_place: bool = False) -> None:
         n = comm.world_size
         self.comm, self.collective = comm, collective
         self.count = nbytes // np.dtype(DTYPE).itemsize
         self.block = self.count // n if collective in BLOCKED else self.count
         b = self.block
-        if collective in ("allreduce", "broadcast", "reduce"):
+        if collective == "allreduce" and out_of_place:
+            self.x, self.x_h = comm.alloc(self.count)
+            self.out, self.out_h = comm.alloc(self.count)
+        elif collective in ("allreduce", "broadcast", "reduce"):
             self.x, self.x_h = comm.alloc(self.count)
             self.out, self.out_h = self.x, self.x_h
         elif collective == "allgather":
@@ -267,7 +271,7 @@ def sweep(comm: PeerComm, plan: Plan, out: Callable[[dict[str, Any]], None] = em
     """The plan's sizes on this rank; rank 0 hands one row record per size to ``out``."""
     c = plan.collective
     for nbytes, iters, warmup in zip(plan.sizes, plan.iters, plan.warmup, strict=True):
-        case = Case(comm, c, nbytes)
+        case = Case(comm, c, nbytes, plan.out_of_place)
         med, p10, p90 = time_calls(comm, case.run, iters, warmup, plan.min_iteration_s)
         wrong = np.array([case.wrong() if plan.check else 0], np.int64)
         comm.allreduce_small(wrong, "sum")
@@ -317,7 +321,7 @@ class MpiComm:
     def call(self, collective: str, x: Any, out: Any) -> None:
         MPI, comm = self.MPI, self.comm
         if collective == "allreduce":
-            comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
+            comm.Allreduce(MPI.IN_PLACE if out is x else x, out, op=MPI.SUM)
         elif collective == "broadcast":
             comm.Bcast(x, root=ROOT)
         elif collective == "reduce":
@@ -382,7 +386,9 @@ class GlooComm:
     def call(self, collective: str, x: Any, out: Any) -> None:
         dist = self.dist
         if collective == "allreduce":
-            dist.all_reduce(x)
+            if out is not x:  # torch has no out-of-place all_reduce: its users copy first
+                out.copy_(x)
+            dist.all_reduce(out)
         elif collective == "broadcast":
             dist.broadcast(x, src=ROOT)
         elif collective == "reduce":
@@ -855,10 +861,12 @@ def _fmt_ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def _title(collective: str, world: int) -> str:
+def _title(comp: Comparison, collective: str, world: int) -> str:
     what = "float32 sum" if collective in REDUCING else "float32"
     root = ", root 0" if collective in ROOTED else ""
-    return f"{collective}, {world} ranks ({what}, {MODES.get(collective, '?')}{root})"
+    modes = {m.row.mode for m in comp.measurements if m.row.collective == collective and m.row.world_size == world}
+    mode = "/".join(sorted(modes)) or MODES.get(collective, "?")
+    return f"{collective}, {world} ranks ({what}, {mode}{root})"
 
 
 def format_text(comp: Comparison) -> str:
@@ -867,7 +875,7 @@ def format_text(comp: Comparison) -> str:
     out: list[str] = []
     tw, rw = 11, 9
     for (collective, world), lines in compare(comp).items():
-        out.append(f"# {_title(collective, world)}")
+        out.append(f"# {_title(comp, collective, world)}")
         out.append("# time: median us per call (slowest rank); ratio: peer / shmcoll, > 1 = shmcoll faster")
         head = f"# {'size':>10} {'shmcoll':>{tw}}" + "".join(f" {p:>{tw}}" for p in peers)
         head += "".join(f" {p[:rw]:>{rw}}" for p in peers) + "  best peer"
@@ -965,7 +973,7 @@ def format_markdown(comp: Comparison) -> str:
     )
     out.append("")
     for (collective, world), lines in compare(comp).items():
-        out.append(f"## {_title(collective, world)}")
+        out.append(f"## {_title(comp, collective, world)}")
         out.append("")
         head = "| size | shmcoll (us) | " + " | ".join(f"{p} (us)" for p in peers)
         head += " | " + " | ".join(f"{p} / shmcoll" for p in peers) + " | best peer |"
@@ -1145,6 +1153,7 @@ def build_plans(args: argparse.Namespace) -> list[Plan]:
                     min_iteration_s=MIN_ITERATION_S,
                     check=not args.no_check,
                     timeout_s=args.timeout,
+                    out_of_place=args.out_of_place and c == "allreduce",
                 )
             )
     return plans
@@ -1257,6 +1266,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--large-warmup", type=int, default=2, help="warm-up calls per large size (2)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of the whole sweep; tables show the median")
     ap.add_argument("--no-check", action="store_true", help="do not count wrong result elements")
+    ap.add_argument("--out-of-place", action="store_true", help="allreduce from x into another out (not in place)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="deadline of one library's sweep, s (1800)")
     ap.add_argument("--stall-timeout", type=float, default=600.0, help="deadline for each next size, s (600)")
     ap.add_argument("--json", help="write every raw row, the runs and the machine facts as JSON")

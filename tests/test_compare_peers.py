@@ -4,6 +4,7 @@ the ratio computation, and the text / Markdown / JSON output."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -74,7 +75,7 @@ class FakeComm:
         n, r = self.world_size, self.rank
         total = np.sum(np.stack(vals), axis=0, dtype=np.float32)
         if collective == "allreduce":
-            x[...] = total
+            out[...] = total  # (out is x in place)
         elif collective == "broadcast":
             x[...] = vals[cp.ROOT]
         elif collective == "reduce":
@@ -208,6 +209,18 @@ def test_sweep_is_exact_with_a_correct_fake_peer(collective: str, world_size: in
         assert r["time_us"] > 0 and r["p10_us"] <= r["time_us"] <= r["p90_us"]
         assert r["count"] == r["size"] // 4 and r["mode"] == cp.MODES[collective]
         assert r["root"] == (0 if collective in ("broadcast", "reduce") else -1)
+
+
+def test_out_of_place_allreduce_checks_out_and_keeps_x() -> None:
+    plan = dataclasses.replace(_plan("allreduce", 3, (48, 480)), out_of_place=True)
+    rows: list[dict[str, Any]] = []
+    run_threads(3, lambda comm: cp.sweep(comm, plan, rows.append))
+    assert [(r["wrong"], r["mode"]) for r in rows] == [(0, "out-of-place")] * 2
+    case = cp.Case(FakeComm(FakeWorld(1), 0), "allreduce", 64, out_of_place=True)
+    assert case.out is not case.x and case.wrong() == 0
+    wrote_x = cp.Case(FakeComm(FakeWorld(1), 0), "allreduce", 64, out_of_place=True)
+    wrote_x.comm.call = lambda c, x, out: None  # a peer that leaves out alone is wrong
+    assert wrote_x.wrong() == 16
 
 
 @pytest.mark.parametrize("collective", cp.COLLECTIVES)

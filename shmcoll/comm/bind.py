@@ -130,24 +130,29 @@ def _remember(rt: Runtime, coll: Collective, x: Any, out: Any, op: Any, root: An
         guard = tensors.layout_of(x, out)
     else:
         return b
+    dtype = (out if x is None else x).dtype
+    rt._memo[coll.code] = (x, out, op, root, algorithm, dtype, b[4], b, guard)
+    # The lean path (Runtime._again) takes plain numpy calls with no work after the engine's.
     call = b[0]
-    enter = None if call.finish else lean_entry(call.engine_dtype)
-    record = None if enter is None else engine.record_for(call.start, b[1], b[2])
-    rt._memo[coll.code] = (
-        x,
-        out,
-        op,
-        root,
-        algorithm,
-        (out if x is None else x).dtype,
-        b[4],
-        b,
-        guard,
-        enter,
-        0 if record is None else record.ctypes.data,
-        call.engine_dtype.type,
-        record,
-    )
+    enter = None if guard is not None or call.finish or rt._trace else lean_entry(call.engine_dtype)
+    if enter is None:
+        rt._lean[coll.code] = None
+    else:
+        record = engine.record_for(call.start, b[1], b[2])
+        rt._lean[coll.code] = (
+            x,
+            out,
+            op,
+            root,
+            algorithm,
+            dtype,
+            b[4],
+            enter,
+            record.ctypes.data,
+            call.engine_dtype.type,
+            b,
+            record,
+        )
     return b
 
 

@@ -21,12 +21,15 @@ from shmcoll.comm.p2p import ANY_SOURCE, ANY_TAG, Status
 from shmcoll.comm.persistent import PersistentForms
 from shmcoll.comm.requests import Request
 from shmcoll.comm.runtime import MISS
+from shmcoll.engine import cpu as engine
 from shmcoll.shm import layout
 from shmcoll.shm.arena import Arena
 from shmcoll.shm.registered import SharedArray
 from shmcoll.types import ReduceOp
 
 _ALLREDUCE = collectives.BY_NAME["allreduce"]
+_ALLREDUCE_CODE = _ALLREDUCE.code
+_OK = engine.OK
 _REDUCE = collectives.BY_NAME["reduce"]
 _BROADCAST = collectives.BY_NAME["broadcast"]
 _ALLGATHER = collectives.BY_NAME["allgather"]
@@ -124,7 +127,27 @@ class Communicator(PersistentForms):
                 (:class:`~shmcoll.CollectiveMismatchError`); raised on every rank involved, after
                 which the communicator is broken.
         """
-        r = self._again(_ALLREDUCE.code, x, out, op, 0, algorithm, timeout)
+        # Runtime._again, written out here: a loop of small allreduces is the commonest loop there
+        # is, and the method call that this saves is 60 ns of an 8-byte call's 800.
+        m = self._lean[_ALLREDUCE_CODE]
+        if (
+            m is not None
+            and m[0] is x
+            and m[1] is out
+            and m[2] is op
+            and m[4] is algorithm
+            and timeout is None
+            and x.dtype is m[5]
+            and (m[6] is None or m[6].flags.writeable)
+            and self._nested_owner is None
+            and self._broken is None
+            and (self._progress is None or not self._progress.pending)
+        ):
+            st = m[7](m[8], m[9])
+            if st != _OK:
+                self._wait_or_raise(st, m[10][0], m[10][1], m[10][2], self._timeout)
+            return m[10][3]  # type: ignore[no-any-return]
+        r = self._again(_ALLREDUCE_CODE, x, out, op, 0, algorithm, timeout)
         if r is MISS:
             r = self._run(bind.elementwise(self, _ALLREDUCE, x, out, op, 0, algorithm), timeout)
         return r  # type: ignore[no-any-return]

@@ -31,7 +31,7 @@ import numpy as np
 import psutil
 
 from shmcoll import collectives, config, jit
-from shmcoll.comm import calls, failures, tensors
+from shmcoll.comm import calls, failures
 from shmcoll.comm.calls import Bound, Call
 from shmcoll.comm.requests import Queue, Request
 from shmcoll.engine import cpu as engine
@@ -121,6 +121,7 @@ class Runtime:
         # Each collective's last bound call, by collective code, for calls repeated with the
         # same arrays (comm.bind._remember).
         self._memo: list[Any] = [None] * len(collectives.PLAN_KINDS)
+        self._lean: list[Any] = [None] * len(collectives.PLAN_KINDS)  # those the lean path runs
         self._scratch: dict[tuple[str, np.dtype], np.ndarray] = {}
         # Allocations live as long as some array views them (each SharedArray holds its own).
         self._allocations: weakref.WeakSet[Allocation] = weakref.WeakSet()
@@ -392,13 +393,13 @@ class Runtime:
         :data:`MISS` (the caller binds and runs it as usual).
 
         The lean path of a program's loop: the remembered call (``comm.bind._remember``: the same
-        array objects, op, root and algorithm, the same dtype object, a still-writeable result,
-        an unchanged tensor layout) enters the engine through its compiled entry point with its
-        record's address, when nothing else needs the run loop (no timeout given, no started
-        operations pending, no nested call held, no trace, not broken). What it skips: the
+        numpy arrays, op, root and algorithm, the same dtype object, a still-writeable result)
+        enters the engine through its compiled entry point with its record's address, when
+        nothing else needs the run loop (no timeout given, no started operations pending, no
+        nested call held, not broken; no trace: then no call is kept for it). What it skips: the
         binder, the run loop's frame, numba's dispatch and the unboxing of three arrays.
         """
-        m = self._memo[code]
+        m = self._lean[code]
         if (
             m is None
             or m[0] is not x
@@ -406,19 +407,16 @@ class Runtime:
             or m[2] is not op
             or m[3] is not root
             or m[4] is not algorithm
-            or m[9] is None
             or timeout is not None
             or (out if x is None else x).dtype is not m[5]
             or (m[6] is not None and not m[6].flags.writeable)
             or self._nested_owner is not None
             or self._broken is not None
-            or self._trace
             or (self._progress is not None and self._progress.pending)
-            or (m[8] is not None and tensors.layout_of(x, out) != m[8])
         ):
             return MISS
-        st = m[9](m[10], m[11])
-        b = m[7]
+        st = m[7](m[8], m[9])
+        b = m[10]
         if st != engine.OK:
             self._wait_or_raise(st, b[0], b[1], b[2], self._timeout)
         return b[3]
@@ -504,6 +502,7 @@ class Runtime:
             self._closed = True
             self._calls.clear()
             self._memo = [None] * len(self._memo)
+            self._lean = [None] * len(self._lean)
             self._broken = self._broken or "the communicator is closed"
             return
         if self._progress is not None:
@@ -516,6 +515,7 @@ class Runtime:
         self._closed = True
         self._calls.clear()
         self._memo = [None] * len(self._memo)
+        self._lean = [None] * len(self._lean)
         self._scratch.clear()
         if self._broken is None:
             failures.warn_unreceived(self)

@@ -119,6 +119,7 @@ from shmcoll.shm.layout import (
     C_HEAD,
     C_HEAD_WAITERS,
     C_TAIL,
+    C_TAIL_SEEN,
     C_TAIL_WAITERS,
     CHANNEL_WORDS,
     R_CUR_SEQ,
@@ -133,6 +134,7 @@ from shmcoll.shm.layout import (
     R_WAIT_PEER,
     RANK_WORDS,
     SLOT_HEADER_BYTES,
+    SLOT_MSG,
     STATE_IDLE,
     STATE_IN_CALL,
     WORDS_PER_LINE,
@@ -189,9 +191,12 @@ _IN, _OUT, _TMP = 0, 1, 2
 
 
 @jit
-def _wait(ctrl, word, target, waiters, state, peer, row):  # type: ignore[no-untyped-def]
-    """Wait until ``ctrl[word] >= target``: spin, then yield, then sleep on the futex."""
-    if load_acquire(ctrl, word) >= target:
+def _wait(ctrl, spin_word, word, target, waiters, state, peer, row):  # type: ignore[no-untyped-def]
+    """Wait until ``ctrl[word] >= target``: spin, then yield, then sleep on the futex.
+
+    The spin polls ``spin_word`` instead where it is another word that reaches ``target`` no
+    later than ``word`` does (a slot's MSG, before its channel's HEAD)."""
+    if load_acquire(ctrl, spin_word) >= target:
         return OK
     # Spin for a bounded *time*, not a count: a pause costs 10 to 150 cycles depending on the
     # CPU, and a spin that outlasts the peer's time slice only keeps the peer off the core.
@@ -199,7 +204,7 @@ def _wait(ctrl, word, target, waiters, state, peer, row):  # type: ignore[no-unt
     i = 0
     while True:
         cpu_pause()
-        if load_acquire(ctrl, word) >= target:
+        if load_acquire(ctrl, spin_word) >= target:
             return OK
         i += 1
         if (i & 63) == 0:
@@ -305,11 +310,11 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
         cw = chan_base + ch * CHANNEL_WORDS
         tail_word = cw + C_TAIL
         tail = ctrl[tail_word]  # our own counter: no other process writes it
-        st = _wait(ctrl, cw + C_HEAD, tail + 1, cw + C_HEAD_WAITERS, state, prog[row, C_PEER_IN], row)
-        if st != OK:
-            return st
         slot_byte = state[S_SLOTS_BASE] + ch * state[S_RING_BYTES] + (tail % nslots) * state[S_SLOT_STRIDE]
         hdr = slot_byte // 8
+        st = _wait(ctrl, hdr + SLOT_MSG, cw + C_HEAD, tail + 1, cw + C_HEAD_WAITERS, state, prog[row, C_PEER_IN], row)
+        if st != OK:
+            return st
         expected = prog[row, C_TAG] if prog[row, C_TAG] != 0 else state[S_PLACE]
         if ctrl[hdr] != tag_seq or ctrl[hdr + 1] != sig or ctrl[hdr + 2] != expected:
             state[S_ERR_PEER] = prog[row, C_PEER_IN]
@@ -328,9 +333,20 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
         cw = chan_base + ch * CHANNEL_WORDS
         head_word = cw + C_HEAD
         head = ctrl[head_word]
-        st = _wait(ctrl, cw + C_TAIL, head + 1 - nslots, cw + C_TAIL_WAITERS, state, prog[row, C_PEER_OUT], row)
-        if st != OK:
-            return st
+        if ctrl[cw + C_TAIL_SEEN] < head + 1 - nslots:  # full as last seen: read the consumer's TAIL
+            st = _wait(
+                ctrl,
+                cw + C_TAIL,
+                cw + C_TAIL,
+                head + 1 - nslots,
+                cw + C_TAIL_WAITERS,
+                state,
+                prog[row, C_PEER_OUT],
+                row,
+            )
+            if st != OK:
+                return st
+            ctrl[cw + C_TAIL_SEEN] = load_acquire(ctrl, cw + C_TAIL)
         slot_byte = state[S_SLOTS_BASE] + ch * state[S_RING_BYTES] + (head % nslots) * state[S_SLOT_STRIDE]
         out_hdr = slot_byte // 8
         out_off = (slot_byte + SLOT_HEADER_BYTES) // item
@@ -377,6 +393,7 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
         ctrl[out_hdr] = tag_seq
         ctrl[out_hdr + 1] = sig
         ctrl[out_hdr + 2] = prog[row, C_TAG] if prog[row, C_TAG] != 0 else state[S_PLACE]
+        store_release(ctrl, out_hdr + SLOT_MSG, head + 1)
         cw = chan_base + prog[row, C_CH_OUT] * CHANNEL_WORDS
         _publish(ctrl, head_word, head + 1, cw + C_HEAD_WAITERS)
     if recv:

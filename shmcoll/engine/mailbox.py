@@ -25,13 +25,13 @@ from shmcoll.shm.atomics import fetch_add, futex_wait, futex_wake, load_acquire,
 from shmcoll.shm.layout import (
     C_HEAD,
     C_TAIL,
-    CHANNEL_WORDS,
     D_DOORBELL,
     D_WAITERS,
     M_DTYPE,
     M_ID,
     M_NBYTES,
     M_TAG,
+    MAILBOX_WORDS,
     SLOT_HEADER_BYTES,
     WORDS_PER_LINE,
 )
@@ -91,7 +91,7 @@ def sleep_on_doorbell(ctrl, geo, seen, timeout_ns):  # type: ignore[no-untyped-d
 
 @jit
 def _mailbox_word(geo, src, dst):  # type: ignore[no-untyped-def]
-    return geo[G_MAIL_BASE] + (src * geo[G_WORLD] + dst) * CHANNEL_WORDS
+    return geo[G_MAIL_BASE] + (src * geo[G_WORLD] + dst) * MAILBOX_WORDS
 
 
 @jit

@@ -16,11 +16,12 @@ so a rank polling its own word never steals a line another rank is writing::
               | live r     robust pthread mutex, held by rank r while connected     |  1 line
               |            (the kernel marks it OWNER_DIED if r dies: shm/liveness)  |  per rank
               +--------------------------------------------------------------------+
-              | channel c  producer line: HEAD          TAIL_WAITERS                |  2 lines
-              |            consumer line: TAIL          HEAD_WAITERS                |  per channel
+              | channel c  producer line: HEAD          TAIL_SEEN                   |  3 lines
+              |            consumer line: TAIL                                     |  per channel
+              |            waiters line:  HEAD_WAITERS  TAIL_WAITERS                |
               +--------------------------------------------------------------------+
               | ring c     slot 0 | slot 1 | ... | slot NSLOTS-1                      |  one ring
-              |            slot = SEQ SIG PLACE pad (32 B) + payload, 64-B aligned   |  per channel
+              |            slot = SEQ SIG PLACE MSG (32 B) + payload, 64-B aligned   |  per channel
               +--------------------------------------------------------------------+
               | mailbox m  producer line / consumer line, as a channel's            |  2 lines per
               |            (m = src * n + dst: point-to-point, self included)       |  mailbox
@@ -34,9 +35,16 @@ so a rank polling its own word never steals a line another rank is writing::
 A channel is one directed single-producer single-consumer queue ``src -> dst``; there are
 ``world_size * (world_size - 1)`` of them. The producer owns HEAD (messages published) and the
 consumer owns TAIL (messages consumed); ``HEAD - TAIL`` is the number of full slots and message
-``k`` lives in slot ``k % NSLOTS``. A sleeping consumer counts itself in HEAD_WAITERS, which
-sits on the consumer's line because the producer reads that line anyway; likewise
-TAIL_WAITERS on the producer's line.
+``k`` lives in slot ``k % NSLOTS``. A stream of messages should move only the slots' lines
+between the two caches (a line moved costs ~0.1 us here, most of a small call's hand-off):
+
+- the producer stores a message's number in its slot header (MSG) after the payload and before
+  HEAD, and the consumer spins on MSG, which shares its line with the header and a payload of
+  up to 32 bytes; HEAD is what a consumer that has stopped spinning sleeps on (its futex);
+- the producer keeps the TAIL it last read in TAIL_SEEN, on its own line, and reads the
+  consumer's line again only when the ring looks full by that value;
+- a sleeper counts itself in a waiters word, on a line of its own that only sleepers write, so a
+  publisher's check for sleepers reads a line that is in its cache.
 
 Each slot starts with the SEQ and SIG of the call that wrote it, so a receiver detects a peer
 that is in a different call (mismatch) on first contact, and PLACE, where a zero-copy call's
@@ -53,7 +61,7 @@ slot of a message carries the message's id (counting per mailbox), tag, size and
 receiver sleeps on its **doorbell**, which senders ring after filling and receivers after
 freeing slots, instead of on one channel.
 
-Footprint: ``192 + 256 n + 128 n (n - 1) + 128 n^2 + n (n - 1) NSLOTS S + n^2 MAIL_NSLOTS S``
+Footprint: ``192 + 256 n + 192 n (n - 1) + 128 n^2 + n (n - 1) NSLOTS S + n^2 MAIL_NSLOTS S``
 bytes for ``n`` ranks, ``S = round64(32 + SLOT_BYTES)`` and ``MAIL_NSLOTS = min(NSLOTS, 2)``; with
 the defaults (4 slots of 64 KiB) that is 1 MiB for 2 ranks, 5 MiB for 4, 23 MiB for 8.
 """
@@ -65,7 +73,7 @@ import dataclasses
 LINE = 64
 WORDS_PER_LINE = LINE // 8
 MAGIC = 0x6C6C6F636D687300  # "\0shmcoll" little endian: a header that is not ours fails fast
-VERSION = 4  # 2: A_GROUP_SIZE; 3: rank records with WAIT_PEER, liveness lines; 4: mailboxes
+VERSION = 5  # 2: A_GROUP_SIZE; 3: rank records with WAIT_PEER, liveness lines; 4: mailboxes; 5: 3-line channels, MSG
 SLOT_HEADER_BYTES = 32
 
 # Header words (int64 index).
@@ -100,12 +108,18 @@ ABORT_TIMEOUT = 2
 ABORT_PEER_LOST = 3
 ABORT_MISMATCH = 4
 ABORT_ERROR = 5
-# Channel control fields (offsets from the channel's first word).
-C_HEAD = 0
-C_TAIL_WAITERS = 1
-C_TAIL = WORDS_PER_LINE
-C_HEAD_WAITERS = WORDS_PER_LINE + 1
-CHANNEL_WORDS = 2 * WORDS_PER_LINE
+# Channel control fields (offsets from the channel's first word): three lines, so that in a
+# steady stream of messages neither side reads a line the other writes, but for the slots.
+C_HEAD = 0  # producer line: messages published
+C_TAIL_SEEN = 1  # producer line: TAIL as the producer last read it (see the module doc)
+C_TAIL = WORDS_PER_LINE  # consumer line: messages consumed
+C_HEAD_WAITERS = 2 * WORDS_PER_LINE  # waiters line: written only around a sleep
+C_TAIL_WAITERS = 2 * WORDS_PER_LINE + 1
+CHANNEL_WORDS = 3 * WORDS_PER_LINE
+MAILBOX_WORDS = 2 * WORDS_PER_LINE  # a mailbox's HEAD and TAIL lines (its sleepers use doorbells)
+# Slot header words: the call's SEQ and SIG, PLACE, and MSG, the message's number in its
+# channel (HEAD once it is published), stored last: the consumer polls it.
+SLOT_SEQ, SLOT_SIG, SLOT_PLACE, SLOT_MSG = range(4)
 # Doorbell fields (offsets within a rank's doorbell line).
 D_DOORBELL = 0
 D_WAITERS = 1
@@ -168,7 +182,7 @@ class Layout:
 
     @property
     def doorbell_base_word(self) -> int:
-        return self.mail_base_word + self.nmailboxes * CHANNEL_WORDS
+        return self.mail_base_word + self.nmailboxes * MAILBOX_WORDS
 
     @property
     def mail_nslots(self) -> int:
@@ -193,7 +207,7 @@ class Layout:
         return src * self.world_size + dst
 
     def mailbox_word(self, mailbox: int, field: int) -> int:
-        return self.mail_base_word + mailbox * CHANNEL_WORDS + field
+        return self.mail_base_word + mailbox * MAILBOX_WORDS + field
 
     def doorbell_word(self, rank: int) -> int:
         return self.doorbell_base_word + rank * WORDS_PER_LINE

@@ -392,7 +392,7 @@ def _lean_loops(comm):  # type: ignore[no-untyped-def]
         wrong += [] if (mine == n * 100 * r + sum(range(n)) + n * k).all() else [("reduce_scatter", k, mine.tolist())]
         comm.scatter(blocks if r == 0 else None, out=mine, root=0)
         wrong += [] if (mine == 100 * r + k).all() else [("scatter", k, mine.tolist())]
-    lean = [c.name for c in shmcoll.collectives.BY_NAME.values() if (comm._memo[c.code] or [None] * 10)[9]]
+    lean = [c.name for c in shmcoll.collectives.BY_NAME.values() if comm._lean[c.code] is not None]
     # What the lean path must leave to the run loop: a timeout given, started operations first.
     x[...] = 1
     comm.allreduce(x, out=y, timeout=30)

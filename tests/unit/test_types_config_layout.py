@@ -137,7 +137,7 @@ def test_footprint_formula() -> None:
     n, nslots, slot = 8, 4, 64 << 10
     stride = layout.round_up(32 + slot, 64)
     mail = min(nslots, 2)
-    expected = 192 + 256 * n + 128 * n * (n - 1) + 128 * n * n + n * (n - 1) * nslots * stride + n * n * mail * stride
+    expected = 192 + 256 * n + 192 * n * (n - 1) + 128 * n * n + n * (n - 1) * nslots * stride + n * n * mail * stride
     assert layout.footprint_bytes(n, nslots, slot) == expected
     assert layout.footprint_bytes(1, 4, slot) == 192 + 256 + 128 + 2 * layout.round_up(32 + slot, 64)
 
