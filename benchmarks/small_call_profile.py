@@ -1,11 +1,13 @@
 """Where the time of a small collective goes: Python, the jitted call, or the hand-off.
 
-An 8-byte ``comm.allreduce`` from Python is (a) the method's own Python (type check, plan-cache
-lookup, argument checks), (b) numba's dispatch into ``engine.execute`` (it type-checks and
-unboxes its 3 array arguments: the handle table, the input, the output), (c) the engine's
-work: bookkeeping, then the hand-off through shared memory, which only exists with a peer.
-Timing the same call at 1 rank (no peer) and at 2 ranks, the bound call run alone, and the raw
-dispatch of a do-nothing jitted function of 3 arrays, splits the total into those parts.
+An 8-byte ``comm.allreduce`` repeated on the same array takes the lean path: (a) the method's
+identity tests against the remembered call (``Runtime._again``), (b) the call of
+``engine.execute_at``'s compiled entry point with the call's record address, (c) the engine's
+work: bookkeeping, then the hand-off through shared memory, which only exists with a peer. The
+ordinary path, for comparison, goes through the run loop and numba's dispatch of
+``engine.execute`` (which type-checks and unboxes its 3 array arguments). Timing the call at 1
+rank (no peer) and at 2 ranks, the entry point alone, the bound call through the run loop, and
+the raw dispatch of a do-nothing jitted function of 3 arrays, splits the total into those parts.
 
 Run: ``python benchmarks/small_call_profile.py [--calls 200000] [--repeats 5]``. Prints the
 median per-call time of each part over the repeats.
@@ -14,6 +16,7 @@ median per-call time of each part over the repeats.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -42,10 +45,11 @@ def _per_call(fn, calls: int) -> float:  # type: ignore[no-untyped-def]
 def worker(comm, calls: int, repeats: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
     x = np.ones(2, np.float32)
     y = np.empty_like(x)
-    comm.allreduce(x)
     comm.allreduce(x, out=y)
+    comm.allreduce(x)
     call = next(iter(c for k, c in comm._calls.items() if k[0] == KIND_CODE["allreduce"] and k[5]))
     arrays = (call.start, x, x)
+    lean = comm._lean[KIND_CODE["allreduce"]]  # the in-place call's (the last one made)
     bound = bind.elementwise(comm, collectives.get("allreduce"), x, None, shmcoll.ReduceOp.SUM, 0, "auto")
     _nothing(*arrays)
     parts = {
@@ -53,10 +57,12 @@ def worker(comm, calls: int, repeats: int) -> dict[str, float]:  # type: ignore[
         "allreduce out of place": lambda: comm.allreduce(x, out=y),
         "run loop + engine (bound)": lambda: comm._run(bound, None),
         "engine.execute alone": lambda: engine.execute(*arrays),
+        "execute_at entry alone": functools.partial(lean[7], lean[8], lean[9]),
         "dispatch of 3 arrays": lambda: _nothing(*arrays),
     }
     if comm.world_size > 1:
         del parts["engine.execute alone"]  # alone, it would wait for the peer's half
+        del parts["execute_at entry alone"]
         del parts["dispatch of 3 arrays"]
         del parts["run loop + engine (bound)"]
     out: dict[str, list[float]] = {k: [] for k in parts}

@@ -44,6 +44,7 @@ most ``2 V`` (an inner node with two children: ``V/2`` up, ``V`` down; plus ``V/
 leaf of the other tree); reduce ``V`` per rank but the root (``V/2`` up each tree); broadcast
 at most ``V`` (``V/2`` to each of two children in the inner tree), ``V`` at the root.
 Constraints: none; every world size, count (0 included), root and in-place combination.
+``auto`` weighs it from :func:`auto_from` on.
 """
 
 from __future__ import annotations
@@ -55,6 +56,15 @@ from shmcoll.plan.builder import Context
 from shmcoll.plan.ir import Buf, Region
 
 NO_PARENT = -1
+
+
+def auto_from(world_size: int) -> int:
+    """Smallest call (``select.call_size``) for which ``auto`` weighs dbtree: 16 KiB at 2 ranks,
+    where its two trees are the same single link and a piece is two messages where ``direct``
+    sends one (a per-message cost the model does not see: ``shmcoll bench -n 2 -a direct,dbtree``
+    on the 2-core machine, reduce and broadcast 8 B: 0.77 against 0.89-1.01 us; 4 KiB: even;
+    32 KiB: dbtree 5-8% faster); anywhere above."""
+    return 16 << 10 if world_size <= 2 else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +177,7 @@ def _reduce_up(
         ctx.send(rank, up, acc, count)
 
 
-@register("allreduce", "dbtree", piece=_two_slots)
+@register("allreduce", "dbtree", piece=_two_slots, auto_from=auto_from)
 def allreduce(ctx: Context) -> None:
     """Each half reduced up its tree to the tree's root, then broadcast back down it."""
     n, count = ctx.world_size, ctx.count
@@ -220,7 +230,7 @@ def _above(tree: Tree, member: int, ranks: list[int], root: int) -> int:
     return root if parent == NO_PARENT else ranks[parent]
 
 
-@register("reduce", "dbtree", piece=_two_slots)
+@register("reduce", "dbtree", piece=_two_slots, auto_from=auto_from)
 def reduce(ctx: Context) -> None:
     """Each half reduced up its tree; the root combines each tree's result with its own."""
     n, root, count = ctx.world_size, ctx.root, ctx.count
@@ -246,7 +256,7 @@ def reduce(ctx: Context) -> None:
         ctx.recv_reduce(root, ranks[tree.root], own, out, c, final=True, received_left=True)
 
 
-@register("broadcast", "dbtree", piece=_two_slots)
+@register("broadcast", "dbtree", piece=_two_slots, auto_from=auto_from)
 def broadcast(ctx: Context) -> None:
     """The root sends each half to its tree's top; inner nodes receive and forward to both children."""
     n, root, count = ctx.world_size, ctx.root, ctx.count

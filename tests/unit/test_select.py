@@ -344,3 +344,15 @@ def test_an_algorithm_the_table_never_measured_still_competes() -> None:
     slow = {**rings, "cma": tuple(3 * t for t in rings["ring"])}
     table = TuneTable(MODEL, 64 * KB, (Measured("allgather", n, sizes, slow),), "synthetic")
     assert decide(query, table=table, slot_bytes=64 * KB).algorithm.name != "cma"
+
+
+@pytest.mark.parametrize("collective", ["broadcast", "reduce", "allreduce"])
+def test_dbtree_waits_for_large_calls_at_two_ranks(collective: str) -> None:
+    """At 2 ranks dbtree's two trees are one link and it sends two messages where direct sends
+    one: auto must not take it for small calls there (the model alone preferred it by 0.2 ns);
+    at 3 ranks and more its threshold is 0."""
+    for nbytes in (8, 256, 4 * KB, 16 * KB - 4):
+        picked = decide(Query(collective, 2, nbytes // 4, 4), slot_bytes=64 * KB).algorithm.name
+        assert picked != "dbtree", (nbytes, picked)
+    assert registry.get(collective, "dbtree").auto_from(2) == 16 * KB
+    assert registry.get(collective, "dbtree").auto_from(3) == 0
