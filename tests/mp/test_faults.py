@@ -39,21 +39,32 @@ def test_sigkill_mid_allreduce_every_survivor_raises_quickly() -> None:
     assert "rank 2 failed: killed by signal SIGKILL" in str(err)
 
 
-def _survivor_report(comm, victim, results_path):  # type: ignore[no-untyped-def]
-    out = _kill_mid_allreduce(comm, victim)
+def _report(comm, results_path, out):  # type: ignore[no-untyped-def]
+    """A survivor's outcome, kept in a file: the launcher reports only the failed rank."""
     with open(f"{results_path}.{comm.rank}", "w") as f:
         f.write(repr(out))
     return out
 
 
-def test_survivors_raise_peer_lost_within_two_seconds(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """...and each of the other three raises PeerLostError naming rank 2 in under 2 s."""
+def _survivors(fn, nprocs, victim, tmp_path):  # type: ignore[no-untyped-def]
+    """Run a job whose ``victim`` dies; every other rank's reported outcome, by rank."""
     path = str(tmp_path / "r")
     with pytest.raises(shmcoll.SpawnError):
-        shmcoll.spawn(_survivor_report, nprocs=4, args=(2, path), timeout=120)
-    for rank in (0, 1, 3):
+        shmcoll.spawn(fn, nprocs=nprocs, args=(victim, path), timeout=120)
+    reports = {}
+    for rank in set(range(nprocs)) - {victim}:
         with open(f"{path}.{rank}") as f:
-            kind, elapsed, dead, text = ast.literal_eval(f.read())
+            reports[rank] = ast.literal_eval(f.read())
+    return reports
+
+
+def _survivor_report(comm, victim, results_path):  # type: ignore[no-untyped-def]
+    return _report(comm, results_path, _kill_mid_allreduce(comm, victim))
+
+
+def test_survivors_raise_peer_lost_within_two_seconds(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """...and each of the other three raises PeerLostError naming rank 2 in under 2 s."""
+    for rank, (kind, elapsed, dead, text) in _survivors(_survivor_report, 4, 2, tmp_path).items():
         assert kind == "lost", (rank, kind)
         assert dead == 2, (rank, text)
         assert elapsed < 2.0, (rank, elapsed)
@@ -77,19 +88,13 @@ def _small_loop_report(comm, victim, results_path):  # type: ignore[no-untyped-d
         out = ("no error", time.monotonic() - t0, None, "")
     except PeerLostError as exc:
         out = ("lost", time.monotonic() - t0, exc.dead_rank, str(exc))
-    with open(f"{results_path}.{comm.rank}", "w") as f:
-        f.write(repr(out))
-    return out
+    return _report(comm, results_path, out)
 
 
 def test_peer_lost_in_a_loop_of_small_calls(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    path = str(tmp_path / "r")
-    with pytest.raises(shmcoll.SpawnError):
-        shmcoll.spawn(_small_loop_report, nprocs=3, args=(1, path), timeout=120)
-    for rank in (0, 2):
-        with open(f"{path}.{rank}") as f:
-            kind, elapsed, dead, text = ast.literal_eval(f.read())
+    for rank, (kind, _, dead, text) in _survivors(_small_loop_report, 3, 1, tmp_path).items():
         assert kind == "lost" and dead == 1, (rank, kind, text)
+        assert "allreduce" in text
         assert "allreduce" in text
 
 
