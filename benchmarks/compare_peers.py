@@ -19,7 +19,7 @@ form torch.distributed offers, so all calls are alike: allreduce, broadcast and 
 allgather, reduce_scatter and alltoall out of place; float32, SUM, root 0.
 
 **The timing rule** is ``shmcoll.bench``'s: after a barrier, ``reps`` back-to-back calls per timed
-iteration (``reps`` so an iteration lasts at least ``shmcoll.bench.MIN_ITERATION_S``, at most
+iteration (``reps`` so an iteration lasts at least ``shmcoll.bench.min_iteration_s``, at most
 1000); time per call = iteration time / reps; the slowest rank per iteration; the median over
 iterations, and p10/p90. shmcoll is timed by ``shmcoll.bench.bench_rank`` itself; the peers by this
 file's copy of the same loop (``time_calls``), which imports only numpy and the peer's own module,
@@ -1134,7 +1134,7 @@ def _csv(text: str) -> list[str]:
 
 def build_plans(args: argparse.Namespace) -> list[Plan]:
     """One plan per (world size, collective), with shmcoll.bench's sizes and this run's schedule."""
-    from shmcoll.bench import MIN_ITERATION_S, BenchConfig, sizes
+    from shmcoll.bench import BenchConfig, min_iteration_s, sizes
 
     cfg = BenchConfig(min_bytes=args.min_bytes, max_bytes=args.max_bytes, step_factor=args.step_factor, dtype=DTYPE)
     plans = []
@@ -1150,7 +1150,7 @@ def build_plans(args: argparse.Namespace) -> list[Plan]:
                     sizes=ss,
                     iters=tuple(args.large_iters if big else args.iters for big in large),
                     warmup=tuple(args.large_warmup if big else args.warmup for big in large),
-                    min_iteration_s=MIN_ITERATION_S,
+                    min_iteration_s=min_iteration_s(world),
                     check=not args.no_check,
                     timeout_s=args.timeout,
                     out_of_place=args.out_of_place and c == "allreduce",

@@ -1,9 +1,9 @@
 """The sweep engine behind ``shmcoll bench``: timing, checking and the nccl-tests table.
 
 Timing rule: each timed iteration runs ``reps`` back-to-back calls after a barrier (``reps`` is
-chosen so an iteration lasts at least ~20 us, so tiny messages are not dominated by the barrier's
-exit skew); a rank's time per call is the iteration's time divided by ``reps``; the reported
-time is the **median over iterations of the slowest rank's time** (p10/p90 too, for
+chosen so an iteration lasts at least ~20 us, 2 ms when ranks outnumber cores, so tiny messages
+are not dominated by the barrier's exit skew); a rank's time per call is the iteration's time
+divided by ``reps``; the reported time is the **median over iterations of the slowest rank's time** (p10/p90 too, for
 ``--stats``). Bandwidths follow nccl-tests: ``algbw = size / time`` and ``busbw = algbw *
 factor`` with factor ``2(n-1)/n`` for allreduce, ``(n-1)/n`` for allgather, reduce_scatter,
 alltoall, gather and scatter, and 1 for broadcast and reduce. ``size`` is the largest per-rank
@@ -57,6 +57,16 @@ from shmcoll.types import (
 
 BENCH_COLLECTIVES = COLLECTIVES
 MIN_ITERATION_S = 20e-6
+# Ranks that outnumber the cores leave a barrier at times a scheduler slice apart (a rank that was
+# switched out runs again only when another yields): an iteration must be long enough to average
+# that out, or it measures the barrier's exit rather than the calls (4 ranks on 2 cores, 8 B
+# broadcast: 12.6 us per call with 20 us iterations, 3.0 us with 2 ms ones and in a plain loop).
+MIN_ITERATION_OVERSUBSCRIBED_S = 2e-3
+
+
+def min_iteration_s(world_size: int) -> float:
+    """How long a timed iteration lasts at least, for ``world_size`` ranks on this machine."""
+    return MIN_ITERATION_OVERSUBSCRIBED_S if world_size > len(os.sched_getaffinity(0)) else MIN_ITERATION_S
 
 
 def bus_factor(collective: str, world_size: int) -> float:
@@ -355,7 +365,7 @@ def _reps(comm: Any, bufs: _Buffers, algorithms: Sequence[str], cfg: BenchConfig
         estimate[i] = time.perf_counter() - t0
     comm.allreduce(estimate, "max")
     return {
-        a: int(min(max(math.ceil(MIN_ITERATION_S / max(e, 1e-9)), 1), 1000))
+        a: int(min(max(math.ceil(min_iteration_s(comm.world_size) / max(e, 1e-9)), 1), 1000))
         for a, e in zip(algorithms, estimate, strict=True)
     }
 

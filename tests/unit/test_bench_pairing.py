@@ -48,3 +48,15 @@ def test_one_wild_launch_in_ten_is_dropped() -> None:
 def test_points_are_kept_apart() -> None:
     got = paired_times([[_row("ring", 64, 1.0), _row("ring", 128, 2.0), _row("direct", 128, 4.0)]])
     assert _get(got, "ring") == pytest.approx(1e-6) and _get(got, "direct", 128) == pytest.approx(4e-6)
+
+
+def test_iterations_are_longer_when_ranks_outnumber_cores() -> None:
+    """Oversubscribed ranks leave a barrier a scheduler slice apart: a 20 us iteration would time
+    that instead of the calls, so both bench and compare_peers use 2 ms there."""
+    import os
+
+    from shmcoll import bench
+
+    cores = len(os.sched_getaffinity(0))
+    assert bench.min_iteration_s(cores) == bench.MIN_ITERATION_S
+    assert bench.min_iteration_s(cores + 1) == bench.MIN_ITERATION_OVERSUBSCRIBED_S > bench.MIN_ITERATION_S
