@@ -3,8 +3,8 @@
 Timing rule: each timed iteration runs ``reps`` back-to-back calls after a barrier (``reps`` is
 chosen so an iteration lasts at least ~20 us, 2 ms when ranks outnumber cores, so tiny messages
 are not dominated by the barrier's exit skew); a rank's time per call is the iteration's time
-divided by ``reps``; the reported time is the **median over iterations of the slowest rank's time** (p10/p90 too, for
-``--stats``). Bandwidths follow nccl-tests: ``algbw = size / time`` and ``busbw = algbw *
+divided by ``reps``; the reported time is the **median over iterations of the slowest rank's
+time** (p10/p90 too, for ``--stats``). Bandwidths follow nccl-tests: ``algbw = size / time`` and ``busbw = algbw *
 factor`` with factor ``2(n-1)/n`` for allreduce, ``(n-1)/n`` for allgather, reduce_scatter,
 alltoall, gather and scatter, and 1 for broadcast and reduce. ``size`` is the largest per-rank
 buffer of the call (allgather's output, reduce_scatter's input), as in nccl-tests. When several

@@ -130,30 +130,24 @@ def _remember(rt: Runtime, coll: Collective, x: Any, out: Any, op: Any, root: An
         guard = tensors.layout_of(x, out)
     else:
         return b
-    dtype = (out if x is None else x).dtype
-    rt._memo[coll.code] = (x, out, op, root, algorithm, dtype, b[4], b, guard)
-    # The lean path (Runtime._again) takes plain numpy calls with no work after the engine's.
-    call = b[0]
-    enter = None if guard is not None or call.finish or rt._trace else lean_entry(call.engine_dtype)
-    if enter is None:
-        rt._lean[coll.code] = None
-    else:
-        record = engine.record_for(call.start, b[1], b[2])
-        rt._lean[coll.code] = (
-            x,
-            out,
-            op,
-            root,
-            algorithm,
-            dtype,
-            b[4],
-            enter,
-            record.ctypes.data,
-            call.engine_dtype.type,
-            b,
-            record,
-        )
+    rt._memo[coll.code] = (x, out, op, root, algorithm, (out if x is None else x).dtype, b[4], b, guard)
+    rt._lean[coll.code] = None  # until the call is made again (_promote)
     return b
+
+
+def _promote(rt: Runtime, code: int, m: Any) -> None:
+    """Give a remembered call that was made again to the lean path (``Runtime._again``): plain
+    numpy calls with no work after the engine's. Only at its second call, because its record
+    costs about 3 us to make (numpy's ``ctypes.data``), which a call that never repeats (new
+    arrays every time) must not pay."""
+    b = m[7]
+    call = b[0]
+    if m[8] is not None or call.finish or rt._trace:
+        return
+    enter = lean_entry(call.engine_dtype)
+    if enter is not None:
+        record = engine.record_for(call.start, b[1], b[2])
+        rt._lean[code] = (*m[:7], enter, record.ctypes.data, call.engine_dtype.type, b, record)
 
 
 _ENTRIES: dict[np.dtype, Any] = {}
@@ -195,6 +189,8 @@ def elementwise(rt: Runtime, coll: Collective, x: Any, out: Any, op: Any, root: 
         and (m[6] is None or m[6].flags.writeable)
         and (m[8] is None or tensors.layout_of(x, out) == m[8])
     ):
+        if rt._lean[coll.code] is None:
+            _promote(rt, coll.code, m)
         return m[7]
     return _remember(rt, coll, x, out, op, root, algorithm, _elementwise(rt, coll, x, out, op, root, algorithm))
 
@@ -277,6 +273,8 @@ def gathering(rt: Runtime, coll: Collective, x: Any, out: Any, root: Any, algori
         and (m[6] is None or m[6].flags.writeable)
         and (m[8] is None or tensors.layout_of(x, out) == m[8])
     ):
+        if rt._lean[coll.code] is None:
+            _promote(rt, coll.code, m)
         return m[7]
     return _remember(rt, coll, x, out, None, root, algorithm, _gathering(rt, coll, x, out, root, algorithm))
 
@@ -327,6 +325,8 @@ def scattering(rt: Runtime, coll: Collective, x: Any, out: Any, op: Any, root: A
         and (m[6] is None or m[6].flags.writeable)
         and (m[8] is None or tensors.layout_of(x, out) == m[8])
     ):
+        if rt._lean[coll.code] is None:
+            _promote(rt, coll.code, m)
         return m[7]
     return _remember(rt, coll, x, out, op, root, algorithm, _scattering(rt, coll, x, out, op, root, algorithm))
 

@@ -135,6 +135,9 @@ from shmcoll.shm.layout import (
     RANK_WORDS,
     SLOT_HEADER_BYTES,
     SLOT_MSG,
+    SLOT_PLACE,
+    SLOT_SEQ,
+    SLOT_SIG,
     STATE_IDLE,
     STATE_IN_CALL,
     WORDS_PER_LINE,
@@ -316,11 +319,11 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
         if st != OK:
             return st
         expected = prog[row, C_TAG] if prog[row, C_TAG] != 0 else state[S_PLACE]
-        if ctrl[hdr] != tag_seq or ctrl[hdr + 1] != sig or ctrl[hdr + 2] != expected:
+        if ctrl[hdr + SLOT_SEQ] != tag_seq or ctrl[hdr + SLOT_SIG] != sig or ctrl[hdr + SLOT_PLACE] != expected:
             state[S_ERR_PEER] = prog[row, C_PEER_IN]
-            state[S_ERR_SEQ] = ctrl[hdr]
-            state[S_ERR_SIG] = ctrl[hdr + 1]
-            state[S_ERR_PLACE] = ctrl[hdr + 2]
+            state[S_ERR_SEQ] = ctrl[hdr + SLOT_SEQ]
+            state[S_ERR_SIG] = ctrl[hdr + SLOT_SIG]
+            state[S_ERR_PLACE] = ctrl[hdr + SLOT_PLACE]
             state[S_ERR_STEP] = row
             return MISMATCH
         in_off = (slot_byte + SLOT_HEADER_BYTES) // item
@@ -390,9 +393,9 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
                 copy(dst, doff, dst, doff, False, x, xoff, count)
 
     if send:
-        ctrl[out_hdr] = tag_seq
-        ctrl[out_hdr + 1] = sig
-        ctrl[out_hdr + 2] = prog[row, C_TAG] if prog[row, C_TAG] != 0 else state[S_PLACE]
+        ctrl[out_hdr + SLOT_SEQ] = tag_seq
+        ctrl[out_hdr + SLOT_SIG] = sig
+        ctrl[out_hdr + SLOT_PLACE] = prog[row, C_TAG] if prog[row, C_TAG] != 0 else state[S_PLACE]
         store_release(ctrl, out_hdr + SLOT_MSG, head + 1)
         cw = chan_base + prog[row, C_CH_OUT] * CHANNEL_WORDS
         _publish(ctrl, head_word, head + 1, cw + C_HEAD_WAITERS)
