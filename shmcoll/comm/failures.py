@@ -287,14 +287,14 @@ def warn_unreceived(rt: Runtime) -> None:
     for peer in range(rt._world_size):
         if peer != rt._rank:
             ch = lay.channel(peer, rt._rank)
+            # (a channel counts cells, not messages: say only that something is left)
             waiting = rt._arena.word(lay.channel_word(ch, layout.C_HEAD)) - int(
                 rt._ctrl[lay.channel_word(ch, layout.C_TAIL)]
             )
             if waiting > 0:
                 rt._log.warning(
-                    "closing with %d message(s) from rank %d never received: the ranks' calls "
+                    "closing with message(s) from rank %d never received: the ranks' calls "
                     "did not match (e.g. different roots, or an extra send)",
-                    waiting,
                     peer,
                 )
         box = lay.mailbox(peer, rt._rank)

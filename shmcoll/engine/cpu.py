@@ -3,13 +3,13 @@
 ``execute(handles, inp, out)`` runs one rank's program for one call: ``inp``/``out`` are the
 call's buffers and ``handles`` (:func:`handles_for`) holds the addresses and sizes of what does
 not change between calls of one shape: ``prog``, the encoded table (``plan.ir``); ``tmp``, the
-call's scratch; ``data``, the whole arena viewed as the call's dtype (slots are addressed inside
-it); ``ctrl``, the arena viewed as int64 (control words, slot tags); and ``state``, this rank's
+call's scratch; ``data``, the whole arena viewed as the call's dtype (messages are addressed
+inside it); ``ctrl``, the arena viewed as int64 (control words, message headers); and ``state``, this rank's
 engine state (below). Taking them as one table instead of five arguments saves numba's unboxing
 of four arrays on every call (about 55 ns each); the caller keeps the arrays alive.
 
-A step first waits until everything it needs is there: a full incoming slot (RECV) and a free
-outgoing slot (SEND); only then does it touch memory, so a step either runs completely or not
+A step first waits until everything it needs is there: an incoming message (RECV) and free
+cells for the outgoing one (SEND); only then does it touch memory, so a step either runs completely or not
 at all. That makes the engine **resumable**: when a wait has lasted one time slice
 (``S_SLICE_NS``) it returns ``WAITING`` with its position saved in ``state``, Python checks the
 deadline and the peers' liveness (cheap there, awkward here), and calls ``execute`` again to
@@ -27,7 +27,7 @@ Waiting, in three stages, because ranks often outnumber cores here:
    the waiters word, both sequentially consistent, so one of them always sees the other and no
    wake-up is lost. Publishers only make the futex syscall when someone sleeps.
 
-Every message carries the call's tag (seq, sig) in its slot header, checked on receipt: a peer
+Every message carries the call's tag (seq, sig) in its header, checked on receipt: a peer
 in a different call is reported as ``MISMATCH`` with its tag, instead of mixing data.
 
 **Starting a call** (the program's header says how it is entered, ``HD_ENTRY``):
@@ -121,6 +121,7 @@ from shmcoll.shm.layout import (
     C_TAIL,
     C_TAIL_SEEN,
     C_TAIL_WAITERS,
+    CELL,
     CHANNEL_WORDS,
     R_CUR_SEQ,
     R_CUR_SIG,
@@ -166,8 +167,7 @@ READ_FAILED = 6  # cross-memory attach could not read a peer's buffer (S_ERR_PEE
     S_YIELDS,
     S_SLEEP_NS,
     S_SLICE_NS,
-    S_NSLOTS,
-    S_SLOT_STRIDE,
+    S_RING_CELLS,
     S_SLOTS_BASE,
     S_RING_BYTES,
     S_CHAN_BASE,
@@ -187,7 +187,7 @@ READ_FAILED = 6  # cross-memory attach could not read a peer's buffer (S_ERR_PEE
     S_ERR_PLACE,
     S_LIVE_BASE,
     S_NESTED,
-) = range(32)
+) = range(31)
 STATE_WORDS = 40  # (room for a few more)
 
 _IN, _OUT, _TMP = 0, 1, 2
@@ -198,7 +198,7 @@ def _wait(ctrl, spin_word, word, target, waiters, state, peer, row):  # type: ig
     """Wait until ``ctrl[word] >= target``: spin, then yield, then sleep on the futex.
 
     The spin polls ``spin_word`` instead where it is another word that reaches ``target`` no
-    later than ``word`` does (a slot's MSG, before its channel's HEAD)."""
+    later than ``word`` does (a message's MSG, before its channel's HEAD)."""
     if load_acquire(ctrl, spin_word) >= target:
         return OK
     # Spin for a bounded *time*, not a count: a pause costs 10 to 150 cycles depending on the
@@ -297,27 +297,34 @@ def _read_peer(prog, row, base, dst, doff, item, ctrl, state):  # type: ignore[n
 def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no-untyped-def]
     flags = prog[row, C_OP]
     count = prog[row, C_COUNT]
-    nslots = state[S_NSLOTS]
+    cells = state[S_RING_CELLS]
     item = data.itemsize
     chan_base = state[S_CHAN_BASE]
     tag_seq = state[S_SEQ]
     sig = prog[0, HD_SIG]
 
+    # Channels are rings of cells (shm/layout's module doc): a message takes whole cells, MSG
+    # holds its end, and a skip in the cell where it did not fit sends the consumer to the lap's
+    # first cell.
     recv = (flags & RECV) != 0
     send = (flags & SEND) != 0
     in_off = 0
     tail_word = 0
-    tail = 0
+    tail_end = 0
     if recv:
         ch = prog[row, C_CH_IN]
         cw = chan_base + ch * CHANNEL_WORDS
         tail_word = cw + C_TAIL
         tail = ctrl[tail_word]  # our own counter: no other process writes it
-        slot_byte = state[S_SLOTS_BASE] + ch * state[S_RING_BYTES] + (tail % nslots) * state[S_SLOT_STRIDE]
-        hdr = slot_byte // 8
+        ring = state[S_SLOTS_BASE] + ch * state[S_RING_BYTES]
+        pos = tail % cells
+        hdr = (ring + pos * CELL) // 8
         st = _wait(ctrl, hdr + SLOT_MSG, cw + C_HEAD, tail + 1, cw + C_HEAD_WAITERS, state, prog[row, C_PEER_IN], row)
         if st != OK:
             return st
+        tail_end = load_acquire(ctrl, hdr + SLOT_MSG)
+        if tail_end - tail > cells - pos:  # a skip: the message starts the next lap
+            hdr = ring // 8
         expected = prog[row, C_TAG] if prog[row, C_TAG] != 0 else state[S_PLACE]
         if ctrl[hdr + SLOT_SEQ] != tag_seq or ctrl[hdr + SLOT_SIG] != sig or ctrl[hdr + SLOT_PLACE] != expected:
             state[S_ERR_PEER] = prog[row, C_PEER_IN]
@@ -326,22 +333,32 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
             state[S_ERR_PLACE] = ctrl[hdr + SLOT_PLACE]
             state[S_ERR_STEP] = row
             return MISMATCH
-        in_off = (slot_byte + SLOT_HEADER_BYTES) // item
+        in_off = (hdr * 8 + SLOT_HEADER_BYTES) // item
     out_off = 0
     head_word = 0
     head = 0
+    head_end = 0
     out_hdr = 0
+    out_ring = 0
     if send:
         ch = prog[row, C_CH_OUT]
         cw = chan_base + ch * CHANNEL_WORDS
         head_word = cw + C_HEAD
         head = ctrl[head_word]
-        if ctrl[cw + C_TAIL_SEEN] < head + 1 - nslots:  # full as last seen: read the consumer's TAIL
+        out_ring = state[S_SLOTS_BASE] + ch * state[S_RING_BYTES]
+        pos = head % cells
+        start = head
+        need = (SLOT_HEADER_BYTES + count * item + CELL - 1) // CELL
+        if need > cells - pos:
+            start = head + cells - pos  # does not fit before the ring's end: the next lap
+        head_end = start + need
+        # The cells up to and including the one at head_end (the next header's) must be free.
+        if ctrl[cw + C_TAIL_SEEN] < head_end + 1 - cells:  # full as last seen: read the consumer's TAIL
             st = _wait(
                 ctrl,
                 cw + C_TAIL,
                 cw + C_TAIL,
-                head + 1 - nslots,
+                head_end + 1 - cells,
                 cw + C_TAIL_WAITERS,
                 state,
                 prog[row, C_PEER_OUT],
@@ -350,9 +367,8 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
             if st != OK:
                 return st
             ctrl[cw + C_TAIL_SEEN] = load_acquire(ctrl, cw + C_TAIL)
-        slot_byte = state[S_SLOTS_BASE] + ch * state[S_RING_BYTES] + (head % nslots) * state[S_SLOT_STRIDE]
-        out_hdr = slot_byte // 8
-        out_off = (slot_byte + SLOT_HEADER_BYTES) // item
+        out_hdr = (out_ring + (start % cells) * CELL) // 8
+        out_off = (out_hdr * 8 + SLOT_HEADER_BYTES) // item
 
     if count > 0:
         store = (flags & STORE) != 0
@@ -396,12 +412,17 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
         ctrl[out_hdr + SLOT_SEQ] = tag_seq
         ctrl[out_hdr + SLOT_SIG] = sig
         ctrl[out_hdr + SLOT_PLACE] = prog[row, C_TAG] if prog[row, C_TAG] != 0 else state[S_PLACE]
-        store_release(ctrl, out_hdr + SLOT_MSG, head + 1)
+        # The next message's header cell reads "not yet" before this one is published, so the
+        # consumer never takes an earlier lap's payload there for a header.
+        ctrl[(out_ring + (head_end % cells) * CELL) // 8 + SLOT_MSG] = 0
+        store_release(ctrl, out_hdr + SLOT_MSG, head_end)
+        if out_hdr * 8 != out_ring + (head % cells) * CELL:  # the skip, stored after the message
+            store_release(ctrl, (out_ring + (head % cells) * CELL) // 8 + SLOT_MSG, head_end)
         cw = chan_base + prog[row, C_CH_OUT] * CHANNEL_WORDS
-        _publish(ctrl, head_word, head + 1, cw + C_HEAD_WAITERS)
+        _publish(ctrl, head_word, head_end, cw + C_HEAD_WAITERS)
     if recv:
         cw = chan_base + prog[row, C_CH_IN] * CHANNEL_WORDS
-        _publish(ctrl, tail_word, tail + 1, cw + C_TAIL_WAITERS)
+        _publish(ctrl, tail_word, tail_end, cw + C_TAIL_WAITERS)
     return OK
 
 
@@ -579,8 +600,7 @@ def new_state(layout, rank: int, *, spin_ns: int, yields: int, sleep_ns: int, sl
     state[S_YIELDS] = yields
     state[S_SLEEP_NS] = sleep_ns
     state[S_SLICE_NS] = slice_ns
-    state[S_NSLOTS] = layout.nslots
-    state[S_SLOT_STRIDE] = layout.slot_stride
+    state[S_RING_CELLS] = layout.ring_cells
     state[S_SLOTS_BASE] = layout.slots_base
     state[S_RING_BYTES] = layout.ring_bytes
     state[S_CHAN_BASE] = layout.channels_base_word

@@ -3,10 +3,11 @@
 Every buffer element holds a symbolic value: ``("x", rank, index)`` for an input element,
 ``("op", left, right)`` for a combination (operand order kept) and ``("avg", value)`` for AVG's
 final division. The ranks' programs run against bounded FIFO channels of ``nslots`` messages,
-exactly as the engine runs them (a step waits for its incoming message and a free outgoing slot,
-then acts). Ranks are sequential and every channel has one writer and one reader, so the run is
-a Kahn network with bounded buffers: whether it deadlocks does not depend on the schedule, and
-one schedule decides it.
+the least an engine ring holds (it holds more small ones); a step waits for its incoming
+message and room for its outgoing one, then acts, as in the engine. Ranks are sequential and
+every channel has one writer and one reader, so the run is a Kahn network with bounded buffers:
+whether it deadlocks does not depend on the schedule, one schedule decides it, and a network
+that does not deadlock with these capacities does not with larger ones.
 
 Checked: every receive meets a send of the same count and tag (``Step.tag``; every message of a
 variable-count plan must carry one); nothing blocks forever (deadlock); no message is left over;

@@ -20,8 +20,8 @@ so a rank polling its own word never steals a line another rank is writing::
               |            consumer line: TAIL                                     |  per channel
               |            waiters line:  HEAD_WAITERS  TAIL_WAITERS                |
               +--------------------------------------------------------------------+
-              | ring c     slot 0 | slot 1 | ... | slot NSLOTS-1                      |  one ring
-              |            slot = SEQ SIG PLACE MSG (32 B) + payload, 64-B aligned   |  per channel
+              | ring c     (NSLOTS + 1) slot strides of 64-byte cells; a message is  |  one ring
+              |            SEQ SIG PLACE MSG (32 B) + payload, on whole cells       |  per channel
               +--------------------------------------------------------------------+
               | mailbox m  producer line / consumer line, as a channel's            |  2 lines per
               |            (m = src * n + dst: point-to-point, self included)       |  mailbox
@@ -33,20 +33,37 @@ so a rank polling its own word never steals a line another rank is writing::
               +--------------------------------------------------------------------+ TOTAL
 
 A channel is one directed single-producer single-consumer queue ``src -> dst``; there are
-``world_size * (world_size - 1)`` of them. The producer owns HEAD (messages published) and the
-consumer owns TAIL (messages consumed); ``HEAD - TAIL`` is the number of full slots and message
-``k`` lives in slot ``k % NSLOTS``. A stream of messages should move only the slots' lines
-between the two caches (a line moved costs ~0.1 us here, most of a small call's hand-off):
+``world_size * (world_size - 1)`` of them. Its ring is counted in 64-byte **cells**, and a
+message takes as many whole cells as its header and payload need: one for a payload of up to
+32 bytes, a slot stride (``round64(32 + SLOT_BYTES)``) for a full piece. The producer owns HEAD
+(cells published: where the next message goes) and the consumer owns TAIL (cells consumed);
+position ``k`` is cell ``k % RING_CELLS``. Counting cells instead of fixed slots lets a root
+run thousands of small messages ahead of ranks that are switched out (4 ranks sharing 2 cores:
+an 8-byte broadcast 3.5 -> 1.3 us per call) while a large piece still takes a whole stride:
 
-- the producer stores a message's number in its slot header (MSG) after the payload and before
-  HEAD, and the consumer spins on MSG, which shares its line with the header and a payload of
-  up to 32 bytes; HEAD is what a consumer that has stopped spinning sleeps on (its futex);
+- a message never wraps: one that does not fit before the ring's end starts the next lap, and
+  the cell where it would have started gets only MSG, a **skip**, which the consumer recognises
+  because the message's end lies beyond the ring's end from there;
+- MSG, stored last, is the message's *end* (the HEAD it publishes). Before storing it the
+  producer zeroes the MSG word of the cell at that end, where the next message will start, so a
+  consumer that polls there never reads an earlier lap's payload as a header; the producer
+  therefore keeps one free cell beyond every message (``end - TAIL < RING_CELLS``);
+- the ring is one stride longer than NSLOTS strides, so that NSLOTS full pieces always fit
+  together whatever the wrap wastes: the plans are verified against channels of NSLOTS
+  messages (``plan/verify``), and smaller messages only add room.
+
+A stream of messages should move only the message cells' lines between the two caches (a line
+moved costs ~0.1 us here, most of a small call's hand-off):
+
+- the consumer spins on its next cell's MSG, which shares its line with the header and a
+  payload of up to 32 bytes; HEAD is what a consumer that has stopped spinning sleeps on (its
+  futex);
 - the producer keeps the TAIL it last read in TAIL_SEEN, on its own line, and reads the
   consumer's line again only when the ring looks full by that value;
 - a sleeper counts itself in a waiters word, on a line of its own that only sleepers write, so a
   publisher's check for sleepers reads a line that is in its cache.
 
-Each slot starts with the SEQ and SIG of the call that wrote it, so a receiver detects a peer
+Each message starts with the SEQ and SIG of the call that wrote it, so a receiver detects a peer
 that is in a different call (mismatch) on first contact, and PLACE, where a zero-copy call's
 registered buffer sits (0 otherwise), so ranks that passed buffers from different places are
 caught before anyone reads a peer's buffer. A payload of up to 32 bytes shares the cache line of
@@ -61,9 +78,10 @@ slot of a message carries the message's id (counting per mailbox), tag, size and
 receiver sleeps on its **doorbell**, which senders ring after filling and receivers after
 freeing slots, instead of on one channel.
 
-Footprint: ``192 + 256 n + 192 n (n - 1) + 128 n^2 + n (n - 1) NSLOTS S + n^2 MAIL_NSLOTS S``
+Footprint: ``192 + 256 n + 192 n (n - 1) + 128 n^2 + n (n - 1) (NSLOTS + 1) S + n^2 MAIL_NSLOTS S``
 bytes for ``n`` ranks, ``S = round64(32 + SLOT_BYTES)`` and ``MAIL_NSLOTS = min(NSLOTS, 2)``; with
-the defaults (4 slots of 64 KiB) that is 1 MiB for 2 ranks, 5 MiB for 4, 23 MiB for 8.
+the defaults (4 slots of 64 KiB) that is 1.1 MiB for 2 ranks, 5.8 MiB for 4, 25.5 MiB for 8.
+Only the cells a call's messages reach are ever touched (tmpfs pages appear on first touch).
 """
 
 from __future__ import annotations
@@ -72,8 +90,10 @@ import dataclasses
 
 LINE = 64
 WORDS_PER_LINE = LINE // 8
+CELL = LINE  # a ring's unit: a message takes whole cells
 MAGIC = 0x6C6C6F636D687300  # "\0shmcoll" little endian: a header that is not ours fails fast
-VERSION = 5  # 2: A_GROUP_SIZE; 3: rank records with WAIT_PEER, liveness lines; 4: mailboxes; 5: 3-line channels, MSG
+VERSION = 6  # 2: A_GROUP_SIZE; 3: rank records with WAIT_PEER, liveness lines; 4: mailboxes; 5: 3-line channels, MSG;
+# 6: rings of cells
 SLOT_HEADER_BYTES = 32
 
 # Header words (int64 index).
@@ -109,15 +129,15 @@ ABORT_PEER_LOST = 3
 ABORT_MISMATCH = 4
 ABORT_ERROR = 5
 # Channel control fields (offsets from the channel's first word): three lines, so that in a
-# steady stream of messages neither side reads a line the other writes, but for the slots.
-C_HEAD = 0  # producer line: messages published
+# steady stream of messages neither side reads a line the other writes, but for the cells'.
+C_HEAD = 0  # producer line: cells published (a mailbox's: messages)
 C_TAIL_SEEN = 1  # producer line: TAIL as the producer last read it (see the module doc)
-C_TAIL = WORDS_PER_LINE  # consumer line: messages consumed
+C_TAIL = WORDS_PER_LINE  # consumer line: cells consumed (a mailbox's: messages)
 C_HEAD_WAITERS = 2 * WORDS_PER_LINE  # waiters line: written only around a sleep
 C_TAIL_WAITERS = 2 * WORDS_PER_LINE + 1
 CHANNEL_WORDS = 3 * WORDS_PER_LINE
 MAILBOX_WORDS = 2 * WORDS_PER_LINE  # a mailbox's HEAD and TAIL lines (its sleepers use doorbells)
-# Slot header words: the call's SEQ and SIG, PLACE, and MSG, the message's number in its
+# Message header words: the call's SEQ and SIG, PLACE, and MSG, the message's end in its
 # channel (HEAD once it is published), stored last: the consumer polls it.
 SLOT_SEQ, SLOT_SIG, SLOT_PLACE, SLOT_MSG = range(4)
 # Doorbell fields (offsets within a rank's doorbell line).
@@ -166,7 +186,12 @@ class Layout:
 
     @property
     def ring_bytes(self) -> int:
-        return self.nslots * self.slot_stride
+        # One stride more than NSLOTS: NSLOTS full pieces fit whatever a wrap wastes (module doc).
+        return (self.nslots + 1) * self.slot_stride
+
+    @property
+    def ring_cells(self) -> int:
+        return self.ring_bytes // CELL
 
     @property
     def slots_base(self) -> int:
@@ -228,9 +253,9 @@ class Layout:
     def channel_word(self, channel: int, field: int) -> int:
         return self.channels_base_word + channel * CHANNEL_WORDS + field
 
-    def slot_offset(self, channel: int, index: int) -> int:
-        """Byte offset of slot ``index`` (0 <= index < nslots) of ``channel``'s ring."""
-        return self.slots_base + channel * self.ring_bytes + index * self.slot_stride
+    def cell_offset(self, channel: int, index: int) -> int:
+        """Byte offset of cell ``index`` (0 <= index < ring_cells) of ``channel``'s ring."""
+        return self.slots_base + channel * self.ring_bytes + index * CELL
 
 
 def footprint_bytes(world_size: int, nslots: int, slot_bytes: int) -> int:

@@ -50,3 +50,45 @@ def test_ring_under_random_delays(monkeypatch, world_size: int, nslots: int, spi
     finally:
         if not pool.broken:
             pool.close()
+
+
+def _run_ahead(comm, calls: int, flag: str):  # type: ignore[no-untyped-def]
+    """The root makes ``calls`` small broadcasts, then a large one, before any other rank has
+    entered its first: the others wait for the root's flag file before they start."""
+    import os
+
+    small = np.zeros(2, np.float32)
+    large = np.zeros(3 * 1024, np.float32)  # 12 KiB: 3 of the pool's 4 KiB slots, a stride each
+    if comm.rank == 0:
+        for i in range(calls):
+            small[:] = i
+            comm.broadcast(small, root=0, algorithm="direct")
+        large[:] = np.arange(large.size)
+        comm.broadcast(large, root=0, algorithm="direct")
+        open(flag, "w").close()
+        got_small = [float(i) for i in range(calls)]
+    else:
+        deadline = time.monotonic() + 20
+        while not os.path.exists(flag):
+            assert time.monotonic() < deadline, "the root never finished its calls alone"
+            time.sleep(0.01)
+        got_small = []
+        for _ in range(calls):
+            comm.broadcast(small, root=0, algorithm="direct")
+            got_small.append(float(small[0]))
+        comm.broadcast(large, root=0, algorithm="direct")
+    comm.barrier()
+    return got_small == [float(i) for i in range(calls)] and bool(np.array_equal(large, np.arange(large.size)))
+
+
+def test_a_root_runs_small_calls_far_ahead(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A ring counts cells, not slots: 100 8-byte broadcasts (a cell each, where a ring of slots
+    held 4 messages) and then a 3-piece one (a slot stride per piece) all fit in the rings of
+    325 cells while the receivers have not started, so a root never waits for ranks that are
+    switched out; the receivers then get every call's data in order."""
+    pool = RankPool(3, slot_bytes=4096, nslots=4)
+    try:
+        assert pool.run(_run_ahead, 100, str(tmp_path / "root-done"), timeout=120) == [True] * 3
+    finally:
+        if not pool.broken:
+            pool.close()

@@ -122,7 +122,11 @@ def test_layout_lines_never_shared() -> None:
         assert lay.rank_word(r, 0) % layout.WORDS_PER_LINE == 0
     assert lay.slots_base % layout.LINE == 0 and lay.slot_stride % layout.LINE == 0
     # Every payload is aligned for the widest element (complex128).
-    assert (lay.slot_offset(7, 2) + layout.SLOT_HEADER_BYTES) % 16 == 0
+    assert all((lay.cell_offset(7, c) + layout.SLOT_HEADER_BYTES) % 16 == 0 for c in range(lay.ring_cells))
+    # NSLOTS full pieces fit in a ring together whatever a wrap wastes, with the free cell kept
+    # beyond the last one (shm/layout's module doc).
+    stride_cells = lay.slot_stride // layout.CELL
+    assert lay.ring_cells >= (lay.nslots + 1) * stride_cells
 
 
 def test_channels_are_a_bijection() -> None:
@@ -137,7 +141,8 @@ def test_footprint_formula() -> None:
     n, nslots, slot = 8, 4, 64 << 10
     stride = layout.round_up(32 + slot, 64)
     mail = min(nslots, 2)
-    expected = 192 + 256 * n + 192 * n * (n - 1) + 128 * n * n + n * (n - 1) * nslots * stride + n * n * mail * stride
+    rings = n * (n - 1) * (nslots + 1) * stride
+    expected = 192 + 256 * n + 192 * n * (n - 1) + 128 * n * n + rings + n * n * mail * stride
     assert layout.footprint_bytes(n, nslots, slot) == expected
     assert layout.footprint_bytes(1, 4, slot) == 192 + 256 + 128 + 2 * layout.round_up(32 + slot, 64)
 
