@@ -75,7 +75,6 @@ ROOTED = ("broadcast", "reduce")
 BLOCKED = ("allgather", "reduce_scatter", "alltoall")
 ROOT = 0
 DTYPE = "float32"
-MAX_REPS = 1000  # shmcoll.bench caps reps at 1000 too
 TAG = "@@compare_peers "
 PEER_NAMES = ("openmpi", "mpich", "gloo")
 REPO = Path(__file__).resolve().parent.parent
@@ -244,18 +243,51 @@ class Case:
         return int(np.count_nonzero(self.out != want))
 
 
+MAX_REPS = 1000  # as shmcoll.bench.MAX_REPS
+
+
+def calls_per_iteration(
+    run: Callable[[], None], barrier: Callable[[], None], slowest: Callable[[float], float], target_s: float
+) -> int:
+    """``shmcoll.bench.calls_per_iteration``'s rule, written again because the peer side imports
+    nothing from shmcoll (tests/test_compare_peers.py checks that the two agree): batches of 1,
+    2, 4... calls, each after as many untimed ones, until two in a row last a quarter of the
+    target on the slowest rank (or one lasts ten targets)."""
+    k = 1
+    confirmed = 0.0  # the per-call time of the last batch that lasted target_s / 4, or 0
+    while True:
+        barrier()
+        for _ in range(k):  # untimed: the ranks leave a barrier apart, and the first call waits for that
+            run()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            run()
+        took = slowest(time.perf_counter() - t0)
+        per_call = max(took, 1e-12) / k
+        if took >= 10 * target_s or k >= MAX_REPS:  # (no scheduler slice is that long)
+            return int(min(max(math.ceil(target_s / per_call), 1), MAX_REPS))
+        if took >= target_s / 4:
+            if confirmed:  # two long batches in a row: one slowed by a slice is not believed alone
+                return int(min(max(math.ceil(target_s / min(confirmed, per_call)), 1), MAX_REPS))
+            confirmed = per_call
+        else:
+            confirmed = 0.0
+        k = min(2 * k, MAX_REPS)
+
+
 def time_calls(
     comm: PeerComm, run: Callable[[], None], iters: int, warmup: int, min_iteration_s: float
 ) -> tuple[float, float, float]:
     """shmcoll.bench's timing rule: (median, p10, p90) seconds per call of the slowest rank."""
     for _ in range(warmup):
         run()
-    comm.barrier()
-    t0 = time.perf_counter()
-    run()
-    estimate = np.array([time.perf_counter() - t0])
-    comm.allreduce_small(estimate, "max")  # every rank must pick the same reps
-    reps = int(min(max(math.ceil(min_iteration_s / max(float(estimate[0]), 1e-9)), 1), MAX_REPS))
+
+    def slowest(seconds: float) -> float:  # every rank must pick the same reps
+        took = np.array([seconds])
+        comm.allreduce_small(took, "max")
+        return float(took[0])
+
+    reps = calls_per_iteration(run, comm.barrier, slowest, min_iteration_s)
     times = np.empty(iters, np.float64)
     for it in range(iters):
         comm.barrier()

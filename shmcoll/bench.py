@@ -64,9 +64,47 @@ MIN_ITERATION_S = 20e-6
 MIN_ITERATION_OVERSUBSCRIBED_S = 2e-3
 
 
+MAX_REPS = 1000  # calls per timed iteration at most
+
+
 def min_iteration_s(world_size: int) -> float:
     """How long a timed iteration lasts at least, for ``world_size`` ranks on this machine."""
     return MIN_ITERATION_OVERSUBSCRIBED_S if world_size > len(os.sched_getaffinity(0)) else MIN_ITERATION_S
+
+
+def calls_per_iteration(
+    run: Callable[[], Any], barrier: Callable[[], Any], slowest: Callable[[float], float], target_s: float
+) -> int:
+    """How many calls of ``run`` a timed iteration makes so it lasts ``target_s``: the same on every
+    rank (``slowest`` gives the largest of the ranks' values, ``barrier`` lines them up).
+
+    Batches of 1, 2, 4... calls, each timed after as many untimed calls following a barrier,
+    until two batches in a row last a quarter of the target on the slowest rank (or one lasts
+    ten targets); the faster of the two sets the count. One call is no estimate where ranks
+    outnumber cores: a rank switched out for a scheduler slice made one 8-byte broadcast at 4
+    ranks take 1.4 ms and an 8-byte allreduce 2.6 ms, which made 1- and 2-call iterations that
+    timed the barrier again (14-23 us per call, against 1.6 and 6.6 us at the next size).
+    """
+    k = 1
+    confirmed = 0.0  # the per-call time of the last batch that lasted target_s / 4, or 0
+    while True:
+        barrier()
+        for _ in range(k):  # untimed: the ranks leave a barrier apart, and the first call waits for that
+            run()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            run()
+        took = slowest(time.perf_counter() - t0)
+        per_call = max(took, 1e-12) / k
+        if took >= 10 * target_s or k >= MAX_REPS:  # (no scheduler slice is that long)
+            return int(min(max(math.ceil(target_s / per_call), 1), MAX_REPS))
+        if took >= target_s / 4:
+            if confirmed:  # two long batches in a row: one slowed by a slice is not believed alone
+                return int(min(max(math.ceil(target_s / min(confirmed, per_call)), 1), MAX_REPS))
+            confirmed = per_call
+        else:
+            confirmed = 0.0
+        k = min(2 * k, MAX_REPS)
 
 
 def bus_factor(collective: str, world_size: int) -> float:
@@ -352,22 +390,23 @@ class _Buffers:
 
 
 # --- the sweep, run on every rank ----------------------------------------------------------------
+def _slowest(comm: Any, seconds: float) -> float:
+    took = np.array([seconds])
+    comm.allreduce(took, "max")
+    return float(took[0])
+
+
 def _reps(comm: Any, bufs: _Buffers, algorithms: Sequence[str], cfg: BenchConfig) -> dict[str, int]:
     """Warm each algorithm up and choose its calls per timed iteration (the same on every rank)."""
-    estimate = np.zeros(len(algorithms))
-    for i, algorithm in enumerate(algorithms):
+    reps = {}
+    for algorithm in algorithms:
         bufs.algorithm = algorithm
         for _ in range(cfg.warmup):
             bufs.run()
-        comm.barrier()
-        t0 = time.perf_counter()
-        bufs.run()
-        estimate[i] = time.perf_counter() - t0
-    comm.allreduce(estimate, "max")
-    return {
-        a: int(min(max(math.ceil(min_iteration_s(comm.world_size) / max(e, 1e-9)), 1), 1000))
-        for a, e in zip(algorithms, estimate, strict=True)
-    }
+        reps[algorithm] = calls_per_iteration(
+            bufs.run, comm.barrier, lambda t: _slowest(comm, t), min_iteration_s(comm.world_size)
+        )
+    return reps
 
 
 def _time_point(

@@ -257,12 +257,39 @@ def test_time_calls_follows_the_bench_rule() -> None:
 
     comm = FakeComm(FakeWorld(1), 0)
     med, p10, p90 = cp.time_calls(comm, quick, iters=4, warmup=3, min_iteration_s=1.0)
-    assert calls[0] == 3 + 1 + 4 * cp.MAX_REPS  # a call far below the minimum: reps capped at 1000
+    batches = 2 * sum(min(2**i, cp.MAX_REPS) for i in range(11))  # 1, 2, 4 ... 512, 1000 calls, twice
+    assert calls[0] == 3 + batches + 4 * cp.MAX_REPS  # a call far below the minimum: reps capped at 1000
     assert 0 < p10 <= med <= p90
     calls[0] = 0
     med, _, _ = cp.time_calls(comm, slow, iters=4, warmup=2, min_iteration_s=20e-6)
-    assert calls[0] == 2 + 1 + 4  # a call above the minimum: one per iteration
+    assert calls[0] == 2 + 2 + 4  # a call above the minimum: one per iteration
     assert med >= 0.002
+
+
+def _calibrate(monkeypatch, module, first: float, then: float, target: float) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """``module.calls_per_iteration`` on a clock where the first call takes ``first`` seconds and
+    every later one ``then``: (reps, calls made)."""
+    clock = [0.0]
+    made = [0]
+
+    def run() -> None:
+        clock[0] += first if made[0] == 0 else then
+        made[0] += 1
+
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    try:
+        return module.calls_per_iteration(run, lambda: None, lambda t: t, target), made[0]
+    finally:
+        monkeypatch.undo()
+
+
+def test_calls_per_iteration_is_shmcoll_benchs(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The peers' copy of the calibration rule picks what shmcoll.bench's picks, call for call."""
+    from shmcoll import bench
+
+    for first, then, target in [(1e-7, 1e-7, 2e-3), (1.4e-3, 1e-6, 2e-3), (3e-5, 3e-5, 20e-6), (0.01, 0.01, 2e-3)]:
+        ours = _calibrate(monkeypatch, bench, first, then, target)
+        assert _calibrate(monkeypatch, cp, first, then, target) == ours, (first, then, target)
 
 
 # --- comparison, ratios, output -----------------------------------------------------------------

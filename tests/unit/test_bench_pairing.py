@@ -60,3 +60,28 @@ def test_iterations_are_longer_when_ranks_outnumber_cores() -> None:
     cores = len(os.sched_getaffinity(0))
     assert bench.min_iteration_s(cores) == bench.MIN_ITERATION_S
     assert bench.min_iteration_s(cores + 1) == bench.MIN_ITERATION_OVERSUBSCRIBED_S > bench.MIN_ITERATION_S
+
+
+def _calls_per_iteration(monkeypatch, slow_calls: int, slow: float, fast: float, target: float) -> int:  # type: ignore[no-untyped-def]
+    """bench.calls_per_iteration on a clock where the first ``slow_calls`` calls take ``slow`` s."""
+    from shmcoll import bench
+
+    clock = [0.0]
+    made = [0]
+
+    def run() -> None:
+        clock[0] += slow if made[0] < slow_calls else fast
+        made[0] += 1
+
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    return bench.calls_per_iteration(run, lambda: None, lambda t: t, target)
+
+
+def test_one_slow_call_does_not_make_iterations_short(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Calls slowed by the scheduler at the start of a size (4 ranks on 2 cores: a first
+    allreduce of 2.6 ms, then 6.6 us ones) must not set the calls per iteration; a single-call
+    estimate gave 1 call for a 2 ms iteration, which timed the barrier's exit instead."""
+    assert _calls_per_iteration(monkeypatch, 2, 2.6e-3, 6.6e-6, 2e-3) == math.ceil(2e-3 / 6.6e-6)
+    assert _calls_per_iteration(monkeypatch, 1, 1.4e-3, 1e-6, 2e-3) == 1000  # capped
+    assert _calls_per_iteration(monkeypatch, 0, 0.0, 5e-3, 2e-3) == 1  # calls longer than an iteration
+    assert _calls_per_iteration(monkeypatch, 0, 0.0, 0.3, 2e-3) == 1  # (one batch of 1: no second)
