@@ -6,6 +6,7 @@ every moment; ``SHMCOLL_SPIN=0`` sends every wait straight to sched_yield and th
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -89,6 +90,39 @@ def test_a_root_runs_small_calls_far_ahead(tmp_path) -> None:  # type: ignore[no
     pool = RankPool(3, slot_bytes=4096, nslots=4)
     try:
         assert pool.run(_run_ahead, 100, str(tmp_path / "root-done"), timeout=120) == [True] * 3
+    finally:
+        if not pool.broken:
+            pool.close()
+
+
+def _on_one_core(comm, calls: int):  # type: ignore[no-untyped-def]
+    """``calls`` allreduces with every rank pinned to core 0; each result checked; the engine's
+    spin budget (adapted, and its ceiling) at the end."""
+    import os
+
+    from shmcoll.engine import cpu as engine
+
+    os.sched_setaffinity(0, {0})
+    x = np.zeros(64, np.float32)
+    bad = 0
+    for i in range(calls):
+        x[:] = comm.rank + i
+        comm.allreduce(x)
+        bad += int(np.count_nonzero(x != 2 * i + 1))
+    return bad, int(comm._state[engine.S_SPIN_CUR]), int(comm._state[engine.S_SPIN_NS])
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores, so the ranks spin as if they had one each")
+def test_ranks_left_on_one_core_stop_spinning_long() -> None:
+    """Two ranks that the scheduler leaves on one core (another process holding the second one;
+    pinned here) cannot hand off while the waiter spins: each first yield runs the peer, which
+    then has sent what the waiter waits for, so the spin budget shrinks (a hand-off cost the
+    whole 20 us spin before: 23 us per call against 4.3 us adapted)."""
+    pool = RankPool(2)
+    try:
+        for bad, spin, ceiling in pool.run(_on_one_core, 3000, timeout=120):
+            assert bad == 0
+            assert ceiling > 0 and spin <= ceiling // 4, (spin, ceiling)
     finally:
         if not pool.broken:
             pool.close()
