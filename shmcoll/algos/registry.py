@@ -40,6 +40,10 @@ def _anywhere(world_size: int) -> int:
     return 0
 
 
+def _unbounded(world_size: int) -> int:
+    return 1 << 62
+
+
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
     """A registered builder for one collective.
@@ -49,7 +53,8 @@ class Algorithm:
     on its options (``hierarchical``'s groups) gives ``options_piece`` instead, and callers ask
     :meth:`piece_count`. ``supports(query)`` returns ``None`` when the algorithm can serve the
     call, else the reason it cannot. ``auto_from(world_size)``: the automatic choice considers it
-    only for calls of at least this size (``select.call_size``); asked for by name it serves any.
+    only for calls of at least this size (``select.call_size``), and ``auto_below(world_size)``
+    only for calls below that one; asked for by name it serves any.
     """
 
     collective: str
@@ -60,6 +65,11 @@ class Algorithm:
     doc: str
     options_piece: OptionsPieceRule | None = None
     auto_from: Callable[[int], int] = _anywhere
+    auto_below: Callable[[int], int] = _unbounded
+
+    def for_auto(self, world_size: int, size: int) -> bool:
+        """Whether the automatic choice weighs this algorithm for a call of ``size`` bytes."""
+        return self.auto_from(world_size) <= size < self.auto_below(world_size)
 
     def piece_count(self, slot_capacity: int, world_size: int, options: Mapping[str, object] | None = None) -> int:
         """The piece for a call with these builder options (see the class docstring)."""
@@ -92,6 +102,7 @@ def register(
     supports: Supports = _always,
     options_piece: OptionsPieceRule | None = None,
     auto_from: Callable[[int], int] | None = None,
+    auto_below: Callable[[int], int] | None = None,
 ) -> Callable[[Builder], Builder]:
     """Register ``build`` as algorithm ``name`` of ``collective``."""
     if name not in ALGORITHM_NAMES:
@@ -102,7 +113,8 @@ def register(
         if key in _REGISTRY:
             raise ValueError(f"{collective}/{name} registered twice")
         doc = (build.__doc__ or "").strip()
-        _REGISTRY[key] = Algorithm(collective, name, build, piece, supports, doc, options_piece, auto_from or _anywhere)
+        auto = {"auto_from": auto_from or _anywhere, "auto_below": auto_below or _unbounded}
+        _REGISTRY[key] = Algorithm(collective, name, build, piece, supports, doc, options_piece, **auto)
         return build
 
     return decorate

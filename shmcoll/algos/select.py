@@ -296,8 +296,8 @@ def decide(
     # Algorithms with a per-call cost the model does not see (cma's system calls) wait for
     # calls large enough to pay it; an override may still name them.
     n = query.world_size
-    if any(a.auto_from(n) > size for a in candidates) and any(a.auto_from(n) <= size for a in candidates):
-        candidates = [a for a in candidates if a.auto_from(n) <= size]
+    if not all(a.for_auto(n, size) for a in candidates) and any(a.for_auto(n, size) for a in candidates):
+        candidates = [a for a in candidates if a.for_auto(n, size)]
     what = f"{query.collective} n={query.world_size} {size} B"
     for rule in rules:
         if not rule.holds(size):

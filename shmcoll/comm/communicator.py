@@ -424,7 +424,7 @@ class Communicator(PersistentForms):
         r = MISS if counts is not None else self._again(_REDUCE_SCATTER.code, x, out, op, 0, algorithm, timeout)
         if r is MISS:
             r = self._run(self._bind_reduce_scatter(x, op, counts, out, algorithm), timeout)
-        return r  # type: ignore[no-any-return]
+        return r  # type: ignore[no-any-return,return-value]
 
     def _bind_reduce_scatter(self, x: Any, op: Any, counts: Any, out: Any, algorithm: str) -> Any:
         if counts is None:

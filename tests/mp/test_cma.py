@@ -79,6 +79,10 @@ def test_auto_weighs_cma_only_for_large_calls() -> None:
     assert pick(16 << 20, permitted=False) != "cma"
     assert pick(256 << 10, n=4) != "cma" and pick(16 << 20, n=4) == "cma"  # more ranks, more syncs
     assert pick(16 << 20, collective="gather") != "cma"  # the root would copy everything alone
+    # broadcast: cma below 1 MiB only (the rings' pipelined copies were faster from there)
+    assert pick(256 << 10, collective="broadcast") == "cma"
+    assert pick(1 << 20, collective="broadcast") != "cma" and pick(16 << 20, collective="broadcast") != "cma"
+    assert pick(16 << 20, n=4, collective="broadcast") != "cma"
     reason = decide(Query("allgather", 2, 4 << 20, 4, cma=False), overrides="allgather:cma", table=None)
     assert reason.algorithm.name != "cma"  # an override it cannot serve is skipped (and logged)
 
