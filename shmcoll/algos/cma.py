@@ -37,6 +37,13 @@ def auto_from(world_size: int) -> int:
     return 64 << 10 if world_size <= 2 else 1 << 20
 
 
+def _blocks_from(world_size: int) -> int:
+    """:func:`auto_from` for allgather and alltoall, where every rank copies a block from every
+    peer at once: 512 KiB above 2 ranks (at 4 ranks, 512 KiB: alltoall 88 against 141 us for
+    ``direct``, allgather 80 against 100 us for ``ring``; 256 KiB within 10% either way)."""
+    return auto_from(world_size) if world_size <= 2 else 512 << 10
+
+
 def _never(world_size: int) -> int:
     return 1 << 62
 
@@ -67,7 +74,7 @@ def broadcast(ctx: Context) -> None:
     zerocopy.broadcast(ctx)
 
 
-@register("allgather", "cma", piece=_whole, supports=_permitted, auto_from=auto_from)
+@register("allgather", "cma", piece=_whole, supports=_permitted, auto_from=_blocks_from)
 def allgather(ctx: Context) -> None:
     """Every rank copies every input into its block."""
     zerocopy.allgather(ctx)
@@ -81,7 +88,7 @@ def gather(ctx: Context) -> None:
     zerocopy.gather(ctx)
 
 
-@register("alltoall", "cma", piece=_whole, supports=_permitted, auto_from=auto_from)
+@register("alltoall", "cma", piece=_whole, supports=_permitted, auto_from=_blocks_from)
 def alltoall(ctx: Context) -> None:
     """Rank ``r`` copies block ``r`` of every input (through scratch when in place)."""
     zerocopy.alltoall(ctx)

@@ -78,6 +78,7 @@ def test_auto_weighs_cma_only_for_large_calls() -> None:
     assert pick(4 << 10) != "cma"  # a system call per block does not pay below auto_from
     assert pick(16 << 20, permitted=False) != "cma"
     assert pick(256 << 10, n=4) != "cma" and pick(16 << 20, n=4) == "cma"  # more ranks, more syncs
+    assert pick(512 << 10, n=4) == "cma" and pick(512 << 10, n=4, collective="alltoall") == "cma"
     assert pick(16 << 20, collective="gather") != "cma"  # the root would copy everything alone
     # broadcast: cma below 1 MiB only (the rings' pipelined copies were faster from there)
     assert pick(256 << 10, collective="broadcast") == "cma"
