@@ -18,8 +18,8 @@ rings: none. Memory traffic per rank: it reads what it needs once and writes its
 Constraints: only copies (a reduction would need the peer's data in this process first, which
 is what the rings do); cross-memory attach must be permitted (``Query.cma``). ``auto`` weighs it
 only from :func:`auto_from` on (a system call per block and the syncs cost what the cost model
-does not see), for broadcast only below 1 MiB and never for gather (see there), with the model
-or the tune table's measurements; asked for by name it serves any size.
+does not see), for an in-place broadcast only below 1 MiB and never for gather (see there),
+with the model or the tune table's measurements; asked for by name it serves any size.
 """
 
 from __future__ import annotations
@@ -59,16 +59,17 @@ def _permitted(query: Query) -> str | None:
 _whole = zerocopy._whole  # no slots carry data, so a call is never cut into pieces
 
 
-def _broadcast_below(world_size: int) -> int:
-    """Where ``auto`` stops weighing cma for broadcast: from 1 MiB the rings' pipelined copies
-    (every receiver reads each piece while the root writes the next) were faster on the 2-core
-    machine at 2 and 4 ranks: in place, busbw 8.7-10.7 against 12.5-13.8 GB/s (ps) at 2 ranks
-    from 1 to 8 MiB, 3.4-4.4 against 4.6-5.0 GB/s (dbtree) at 4 (``shmcoll bench -c broadcast
-    -a cma,ps,dbtree --in-place``, twice); below 1 MiB at 2 ranks cma was 1.6-1.8x the rings."""
-    return 1 << 20
+def _broadcast_if(query: Query, size: int) -> bool:
+    """Where ``auto`` weighs cma for broadcast: out of place, or in place below 1 MiB. In place
+    from 1 MiB the rings' pipelined copies were faster on the 2-core machine at 2 and 4 ranks
+    (2 ranks: 103 / 197 / 367 us against ``ps``'s 73 / 141 / 305 at 1 / 2 / 4 MiB; busbw 3.4-4.4
+    against 4.6-5.0 GB/s for ``dbtree`` at 4 ranks), while out of place, where the root copies
+    its own buffer too, cma was 1.2-1.8x the rings (``benchmarks/auto_vs_best.py``, ``shmcoll
+    bench -c broadcast -a cma,ps --both``)."""
+    return not query.inplace or size < 1 << 20
 
 
-@register("broadcast", "cma", piece=_whole, supports=_permitted, auto_from=auto_from, auto_below=_broadcast_below)
+@register("broadcast", "cma", piece=_whole, supports=_permitted, auto_from=auto_from, auto_if=_broadcast_if)
 def broadcast(ctx: Context) -> None:
     """Every rank copies the root's buffer."""
     zerocopy.broadcast(ctx)

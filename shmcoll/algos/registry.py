@@ -40,8 +40,8 @@ def _anywhere(world_size: int) -> int:
     return 0
 
 
-def _unbounded(world_size: int) -> int:
-    return 1 << 62
+def _yes(query: Query, size: int) -> bool:
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +53,8 @@ class Algorithm:
     on its options (``hierarchical``'s groups) gives ``options_piece`` instead, and callers ask
     :meth:`piece_count`. ``supports(query)`` returns ``None`` when the algorithm can serve the
     call, else the reason it cannot. ``auto_from(world_size)``: the automatic choice considers it
-    only for calls of at least this size (``select.call_size``), and ``auto_below(world_size)``
-    only for calls below that one; asked for by name it serves any.
+    only for calls of at least this size (``select.call_size``), and only where
+    ``auto_if(query, size)`` holds; asked for by name it serves any.
     """
 
     collective: str
@@ -65,11 +65,11 @@ class Algorithm:
     doc: str
     options_piece: OptionsPieceRule | None = None
     auto_from: Callable[[int], int] = _anywhere
-    auto_below: Callable[[int], int] = _unbounded
+    auto_if: Callable[[Query, int], bool] = _yes
 
-    def for_auto(self, world_size: int, size: int) -> bool:
-        """Whether the automatic choice weighs this algorithm for a call of ``size`` bytes."""
-        return self.auto_from(world_size) <= size < self.auto_below(world_size)
+    def for_auto(self, query: Query, size: int) -> bool:
+        """Whether the automatic choice weighs this algorithm for ``query`` (``size`` bytes)."""
+        return self.auto_from(query.world_size) <= size and self.auto_if(query, size)
 
     def piece_count(self, slot_capacity: int, world_size: int, options: Mapping[str, object] | None = None) -> int:
         """The piece for a call with these builder options (see the class docstring)."""
@@ -102,7 +102,7 @@ def register(
     supports: Supports = _always,
     options_piece: OptionsPieceRule | None = None,
     auto_from: Callable[[int], int] | None = None,
-    auto_below: Callable[[int], int] | None = None,
+    auto_if: Callable[[Query, int], bool] | None = None,
 ) -> Callable[[Builder], Builder]:
     """Register ``build`` as algorithm ``name`` of ``collective``."""
     if name not in ALGORITHM_NAMES:
@@ -113,8 +113,9 @@ def register(
         if key in _REGISTRY:
             raise ValueError(f"{collective}/{name} registered twice")
         doc = (build.__doc__ or "").strip()
-        auto = {"auto_from": auto_from or _anywhere, "auto_below": auto_below or _unbounded}
-        _REGISTRY[key] = Algorithm(collective, name, build, piece, supports, doc, options_piece, **auto)
+        _REGISTRY[key] = Algorithm(
+            collective, name, build, piece, supports, doc, options_piece, auto_from or _anywhere, auto_if or _yes
+        )
         return build
 
     return decorate

@@ -69,9 +69,11 @@ def test_large_unaligned_calls(world_size: int) -> None:
 
 
 def test_auto_weighs_cma_only_for_large_calls() -> None:
-    def pick(nbytes: int, *, permitted: bool = True, n: int = 2, collective: str = "allgather") -> str:
+    def pick(
+        nbytes: int, *, permitted: bool = True, n: int = 2, collective: str = "allgather", inplace: bool = False
+    ) -> str:
         count = nbytes // 4 // (n if collective != "broadcast" else 1)
-        query = Query(collective, n, count, 4, cma=permitted)
+        query = Query(collective, n, count, 4, inplace=inplace, cma=permitted)
         return decide(query, overrides="", table=None).algorithm.name
 
     assert pick(16 << 20) == "cma"  # one copy instead of two: the model sees it
@@ -80,10 +82,11 @@ def test_auto_weighs_cma_only_for_large_calls() -> None:
     assert pick(256 << 10, n=4) != "cma" and pick(16 << 20, n=4) == "cma"  # more ranks, more syncs
     assert pick(512 << 10, n=4) == "cma" and pick(512 << 10, n=4, collective="alltoall") == "cma"
     assert pick(16 << 20, collective="gather") != "cma"  # the root would copy everything alone
-    # broadcast: cma below 1 MiB only (the rings' pipelined copies were faster from there)
-    assert pick(256 << 10, collective="broadcast") == "cma"
-    assert pick(1 << 20, collective="broadcast") != "cma" and pick(16 << 20, collective="broadcast") != "cma"
-    assert pick(16 << 20, n=4, collective="broadcast") != "cma"
+    # broadcast in place: cma below 1 MiB only (the rings' pipelined copies were faster there)
+    assert pick(256 << 10, collective="broadcast", inplace=True) == "cma"
+    assert pick(1 << 20, collective="broadcast", inplace=True) != "cma"
+    assert pick(16 << 20, n=4, collective="broadcast", inplace=True) != "cma"
+    assert pick(16 << 20, collective="broadcast") == "cma" and pick(16 << 20, n=4, collective="broadcast") == "cma"
     reason = decide(Query("allgather", 2, 4 << 20, 4, cma=False), overrides="allgather:cma", table=None)
     assert reason.algorithm.name != "cma"  # an override it cannot serve is skipped (and logged)
 
