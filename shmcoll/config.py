@@ -7,9 +7,9 @@ Every knob lives in :class:`Config`, a frozen dataclass read once per process by
 variable                    meaning                                                      default
 ==========================  ===========================================================  =========
 SHMCOLL_TIMEOUT             seconds a collective may wait for its peers (inf: no limit)  60
-SHMCOLL_SLOT_BYTES          payload bytes of one ring slot (K/M suffixes)                64K
-SHMCOLL_NSLOTS              slots per ring                                               4
-SHMCOLL_SPIN                microseconds of busy-waiting before yielding                auto
+SHMCOLL_SLOT_BYTES          the most one message carries (K/M suffixes)                  64K
+SHMCOLL_NSLOTS              full messages a ring holds at least (small ones: many more)  4
+SHMCOLL_SPIN                microseconds of busy-waiting before yielding, at most       auto
 SHMCOLL_DEBUG               log level of the ``shmcoll`` logger: TRACE, DEBUG, INFO,    (off)
                             WARNING or ERROR (any case; anything else is an error)
 SHMCOLL_ALGO                algorithm overrides, e.g. ``allreduce:ring,broadcast:dbtree``
