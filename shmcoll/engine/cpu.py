@@ -4,13 +4,13 @@
 call's buffers and ``handles`` (:func:`handles_for`) holds the addresses and sizes of what does
 not change between calls of one shape: ``prog``, the encoded table (``plan.ir``); ``tmp``, the
 call's scratch; ``data``, the whole arena viewed as the call's dtype (messages are addressed
-inside it); ``ctrl``, the arena viewed as int64 (control words, message headers); and ``state``, this rank's
-engine state (below). Taking them as one table instead of five arguments saves numba's unboxing
+inside it); ``ctrl``, the arena viewed as int64 (control words, message headers); and
+``state``, this rank's engine state (below). Taking them as one table instead of five arguments saves numba's unboxing
 of four arrays on every call (about 55 ns each); the caller keeps the arrays alive.
 
 A step first waits until everything it needs is there: an incoming message (RECV) and free
-cells for the outgoing one (SEND); only then does it touch memory, so a step either runs completely or not
-at all. That makes the engine **resumable**: when a wait has lasted one time slice
+cells for the outgoing one (SEND); only then does it touch memory, so a step either runs
+completely or not at all. That makes the engine **resumable**: when a wait has lasted one time slice
 (``S_SLICE_NS``) it returns ``WAITING`` with its position saved in ``state``, Python checks the
 deadline and the peers' liveness (cheap there, awkward here), and calls ``execute`` again to
 carry on. Jitted code never raises; it returns a status and leaves details in ``state``.
@@ -23,7 +23,7 @@ Waiting, in three stages, because ranks often outnumber cores here:
    where it could not run while we spun, so the budget halves (down to ``MIN_SPIN_NS``); a spin
    that succeeds doubles it back. Two ranks left on one core (another process holding the
    second one) otherwise paid the whole 20 us spin at every hand-off: reduce_scatter at 2
-   ranks, 23 us per call against 4.2 us adapted (1 us with a core each). A yield that ran a
+   ranks, 23 us per call against 4.3 us adapted (1 us with a core each). A yield that ran a
    stranger instead changes nothing: yielding more would hand it our share of the core;
 2. ``sched_yield`` (``S_YIELDS`` times): when the peer waits for *our* core, spinning would
    stall both until the scheduler's tick, milliseconds per hand-off;
