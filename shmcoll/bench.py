@@ -1,12 +1,13 @@
 """The sweep engine behind ``shmcoll bench``: timing, checking and the nccl-tests table.
 
 Timing rule: each timed iteration runs ``reps`` back-to-back calls after a barrier (``reps`` is
-chosen so an iteration lasts at least ~20 us, 2 ms when ranks outnumber cores, so tiny messages
-are not dominated by the barrier's exit skew); a rank's time per call is the iteration's time
-divided by ``reps``; the reported time is the **median over iterations of the slowest rank's
-time** (p10/p90 too, for ``--stats``). Bandwidths follow nccl-tests: ``algbw = size / time`` and ``busbw = algbw *
-factor`` with factor ``2(n-1)/n`` for allreduce, ``(n-1)/n`` for allgather, reduce_scatter,
-alltoall, gather and scatter, and 1 for broadcast and reduce. ``size`` is the largest per-rank
+chosen by :func:`calls_per_iteration` so an iteration lasts at least ~20 us, 2 ms when ranks
+outnumber cores, so tiny messages are not dominated by the barrier's exit skew); a rank's time
+per call is the iteration's time divided by ``reps``; the reported time is the **median over
+iterations of the slowest rank's time** (p10/p90 too, for ``--stats``). Bandwidths follow
+nccl-tests: ``algbw = size / time`` and ``busbw = algbw * factor`` with factor ``2(n-1)/n`` for
+allreduce, ``(n-1)/n`` for allgather, reduce_scatter, alltoall, gather and scatter, and 1 for
+broadcast and reduce. ``size`` is the largest per-rank
 buffer of the call (allgather's output, reduce_scatter's input), as in nccl-tests. When several
 algorithms are benched, they share one size's buffers and take turns in rounds (see
 :func:`_time_point`), so they are compared on the same stretch of the machine's time.
@@ -62,8 +63,6 @@ MIN_ITERATION_S = 20e-6
 # that out, or it measures the barrier's exit rather than the calls (4 ranks on 2 cores, 8 B
 # broadcast: 12.6 us per call with 20 us iterations, 3.0 us with 2 ms ones and in a plain loop).
 MIN_ITERATION_OVERSUBSCRIBED_S = 2e-3
-
-
 MAX_REPS = 1000  # calls per timed iteration at most
 
 

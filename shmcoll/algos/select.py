@@ -295,8 +295,7 @@ def decide(
     size = call_size(query)
     # Algorithms with a per-call cost the model does not see (cma's system calls) wait for
     # calls large enough to pay it; an override may still name them.
-    if not all(a.for_auto(query, size) for a in candidates) and any(a.for_auto(query, size) for a in candidates):
-        candidates = [a for a in candidates if a.for_auto(query, size)]
+    candidates = [a for a in candidates if a.for_auto(query, size)] or candidates
     what = f"{query.collective} n={query.world_size} {size} B"
     for rule in rules:
         if not rule.holds(size):

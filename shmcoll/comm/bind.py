@@ -135,6 +135,12 @@ def _remember(rt: Runtime, coll: Collective, x: Any, out: Any, op: Any, root: An
     return b
 
 
+# What ``_lean`` holds for a remembered call that may not take the lean path (tensors, work after
+# the engine's, a trace, a dtype without an entry point): it matches no call, and is not promoted
+# again at every memo hit.
+NOT_LEAN = (object(),)
+
+
 def _promote(rt: Runtime, code: int, m: Any) -> None:
     """Give a remembered call that was made again to the lean path (``Runtime._again``): plain
     numpy calls with no work after the engine's. Only at its second call, because its record
@@ -142,12 +148,12 @@ def _promote(rt: Runtime, code: int, m: Any) -> None:
     arrays every time) must not pay."""
     b = m[7]
     call = b[0]
-    if m[8] is not None or call.finish or rt._trace:
+    enter = None if m[8] is not None or call.finish or rt._trace else lean_entry(call.engine_dtype)
+    if enter is None:
+        rt._lean[code] = NOT_LEAN
         return
-    enter = lean_entry(call.engine_dtype)
-    if enter is not None:
-        record = engine.record_for(call.start, b[1], b[2])
-        rt._lean[code] = (*m[:7], enter, record.ctypes.data, call.engine_dtype.type, b, record)
+    record = engine.record_for(call.start, b[1], b[2])
+    rt._lean[code] = (*m[:7], enter, record.ctypes.data, call.engine_dtype.type, b, record)
 
 
 _ENTRIES: dict[np.dtype, Any] = {}

@@ -174,7 +174,7 @@ READ_FAILED = 6  # cross-memory attach could not read a peer's buffer (S_ERR_PEE
     S_SLEEP_NS,
     S_SLICE_NS,
     S_RING_CELLS,
-    S_SLOTS_BASE,
+    S_RINGS_BASE,
     S_RING_BYTES,
     S_CHAN_BASE,
     S_RANK_WORD,
@@ -331,7 +331,7 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
         cw = chan_base + ch * CHANNEL_WORDS
         tail_word = cw + C_TAIL
         tail = ctrl[tail_word]  # our own counter: no other process writes it
-        ring = state[S_SLOTS_BASE] + ch * state[S_RING_BYTES]
+        ring = state[S_RINGS_BASE] + ch * state[S_RING_BYTES]
         pos = tail % cells
         hdr = (ring + pos * CELL) // 8
         st = _wait(ctrl, hdr + SLOT_MSG, cw + C_HEAD, tail + 1, cw + C_HEAD_WAITERS, state, prog[row, C_PEER_IN], row)
@@ -354,19 +354,24 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
     head = 0
     head_end = 0
     out_hdr = 0
-    out_ring = 0
+    head_hdr = 0
+    next_hdr = 0
     if send:
         ch = prog[row, C_CH_OUT]
         cw = chan_base + ch * CHANNEL_WORDS
         head_word = cw + C_HEAD
         head = ctrl[head_word]
-        out_ring = state[S_SLOTS_BASE] + ch * state[S_RING_BYTES]
+        out_ring = state[S_RINGS_BASE] + ch * state[S_RING_BYTES]
         pos = head % cells
-        start = head
+        head_hdr = (out_ring + pos * CELL) // 8
+        out_hdr = head_hdr
         need = (SLOT_HEADER_BYTES + count * item + CELL - 1) // CELL
-        if need > cells - pos:
-            start = head + cells - pos  # does not fit before the ring's end: the next lap
-        head_end = start + need
+        if need > cells - pos:  # does not fit before the ring's end: the next lap's first cell
+            out_hdr = out_ring // 8
+            head_end = head + cells - pos + need
+        else:
+            head_end = head + need
+        next_hdr = (out_ring + (head_end % cells) * CELL) // 8
         # The cells up to and including the one at head_end (the next header's) must be free.
         if ctrl[cw + C_TAIL_SEEN] < head_end + 1 - cells:  # full as last seen: read the consumer's TAIL
             st = _wait(
@@ -382,7 +387,6 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
             if st != OK:
                 return st
             ctrl[cw + C_TAIL_SEEN] = load_acquire(ctrl, cw + C_TAIL)
-        out_hdr = (out_ring + (start % cells) * CELL) // 8
         out_off = (out_hdr * 8 + SLOT_HEADER_BYTES) // item
 
     if count > 0:
@@ -429,10 +433,10 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
         ctrl[out_hdr + SLOT_PLACE] = prog[row, C_TAG] if prog[row, C_TAG] != 0 else state[S_PLACE]
         # The next message's header cell reads "not yet" before this one is published, so the
         # consumer never takes an earlier lap's payload there for a header.
-        ctrl[(out_ring + (head_end % cells) * CELL) // 8 + SLOT_MSG] = 0
+        ctrl[next_hdr + SLOT_MSG] = 0
         store_release(ctrl, out_hdr + SLOT_MSG, head_end)
-        if out_hdr * 8 != out_ring + (head % cells) * CELL:  # the skip, stored after the message
-            store_release(ctrl, (out_ring + (head % cells) * CELL) // 8 + SLOT_MSG, head_end)
+        if out_hdr != head_hdr:  # the skip, stored after the message
+            store_release(ctrl, head_hdr + SLOT_MSG, head_end)
         cw = chan_base + prog[row, C_CH_OUT] * CHANNEL_WORDS
         _publish(ctrl, head_word, head_end, cw + C_HEAD_WAITERS)
     if recv:
@@ -617,7 +621,7 @@ def new_state(layout, rank: int, *, spin_ns: int, yields: int, sleep_ns: int, sl
     state[S_SLEEP_NS] = sleep_ns
     state[S_SLICE_NS] = slice_ns
     state[S_RING_CELLS] = layout.ring_cells
-    state[S_SLOTS_BASE] = layout.slots_base
+    state[S_RINGS_BASE] = layout.rings_base
     state[S_RING_BYTES] = layout.ring_bytes
     state[S_CHAN_BASE] = layout.channels_base_word
     state[S_RANK_WORD] = layout.rank_word(max(rank, 0), 0)

@@ -194,12 +194,12 @@ class Layout:
         return self.ring_bytes // CELL
 
     @property
-    def slots_base(self) -> int:
+    def rings_base(self) -> int:
         return (self.channels_base_word + self.nchannels * CHANNEL_WORDS) * 8
 
     @property
     def mail_base_word(self) -> int:
-        return (self.slots_base + self.nchannels * self.ring_bytes) // 8
+        return (self.rings_base + self.nchannels * self.ring_bytes) // 8
 
     @property
     def nmailboxes(self) -> int:
@@ -255,7 +255,7 @@ class Layout:
 
     def cell_offset(self, channel: int, index: int) -> int:
         """Byte offset of cell ``index`` (0 <= index < ring_cells) of ``channel``'s ring."""
-        return self.slots_base + channel * self.ring_bytes + index * CELL
+        return self.rings_base + channel * self.ring_bytes + index * CELL
 
 
 def footprint_bytes(world_size: int, nslots: int, slot_bytes: int) -> int:

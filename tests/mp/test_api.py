@@ -15,6 +15,7 @@ import pytest
 
 import shmcoll
 from shmcoll import ReduceOp
+from shmcoll.comm import bind
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -358,6 +359,11 @@ def _repeated(comm):  # type: ignore[no-untyped-def]
     return seen
 
 
+def _is_lean(entry) -> bool:  # type: ignore[no-untyped-def]
+    """Whether a ``Runtime._lean`` entry is a call the lean path runs (not unset, not refused)."""
+    return entry is not None and entry is not bind.NOT_LEAN
+
+
 def _lean_loops(comm):  # type: ignore[no-untyped-def]
     """Loops of the same call on the same arrays take the lean path (Runtime._again) after their
     first call; every iteration's result must be the exact one for that iteration's data."""
@@ -397,13 +403,13 @@ def _lean_loops(comm):  # type: ignore[no-untyped-def]
         wrong += [] if (mine == n * 100 * r + sum(range(n)) + n * k).all() else [("reduce_scatter", k, mine.tolist())]
         comm.scatter(blocks if r == 0 else None, out=mine, root=0)
         wrong += [] if (mine == 100 * r + k).all() else [("scatter", k, mine.tolist())]
-    lean = [c.name for c in shmcoll.collectives.BY_NAME.values() if comm._lean[c.code] is not None]
+    lean = [c.name for c in shmcoll.collectives.BY_NAME.values() if _is_lean(comm._lean[c.code])]
     # A call's record is made at its second call only: a call on new arrays never pays for it.
     code, z = shmcoll.collectives.BY_NAME["allreduce"].code, np.ones(3)
     comm.allreduce(z)
     once = comm._lean[code] is None
     comm.allreduce(z)
-    promoted = once and comm._lean[code] is not None
+    promoted = once and _is_lean(comm._lean[code])
     # What the lean path must leave to the run loop: a timeout given, started operations first.
     x[...] = 1
     comm.allreduce(x, out=y, timeout=30)

@@ -120,13 +120,22 @@ def test_layout_lines_never_shared() -> None:
             lines.add(line)
     for r in range(5):
         assert lay.rank_word(r, 0) % layout.WORDS_PER_LINE == 0
-    assert lay.slots_base % layout.LINE == 0 and lay.slot_stride % layout.LINE == 0
+    assert lay.rings_base % layout.LINE == 0 and lay.slot_stride % layout.LINE == 0
     # Every payload is aligned for the widest element (complex128).
     assert all((lay.cell_offset(7, c) + layout.SLOT_HEADER_BYTES) % 16 == 0 for c in range(lay.ring_cells))
     # NSLOTS full pieces fit in a ring together whatever a wrap wastes, with the free cell kept
     # beyond the last one (shm/layout's module doc).
     stride_cells = lay.slot_stride // layout.CELL
     assert lay.ring_cells >= (lay.nslots + 1) * stride_cells
+    # Checked, from every position the ring can be empty at, with the engine's rules (a message
+    # that does not fit before the end starts the next lap; one free cell kept beyond the last).
+    for tail in range(lay.ring_cells):
+        head = tail
+        for _ in range(lay.nslots):
+            pos = head % lay.ring_cells
+            start = head if stride_cells <= lay.ring_cells - pos else head + lay.ring_cells - pos
+            head = start + stride_cells
+            assert head + 1 - tail <= lay.ring_cells, (tail, head)
 
 
 def test_channels_are_a_bijection() -> None:
