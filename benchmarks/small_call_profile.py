@@ -2,7 +2,7 @@
 
 An 8-byte ``comm.allreduce`` repeated on the same array takes the lean path: (a) the method's
 identity tests against the remembered call (``Runtime._again``), (b) the call of
-``engine.execute_at``'s compiled entry point with the call's record address, (c) the engine's
+``engine.entry_at``'s compiled entry point with the call's record address, (c) the engine's
 work: bookkeeping, then the hand-off through shared memory, which only exists with a peer. The
 ordinary path, for comparison, goes through the run loop and numba's dispatch of
 ``engine.execute`` (which type-checks and unboxes its 3 array arguments). Timing the call at 1
@@ -58,12 +58,12 @@ def worker(comm, calls: int, repeats: int) -> dict[str, float]:  # type: ignore[
         "allreduce out of place": lambda: comm.allreduce(x, out=y),
         "run loop + engine (bound)": lambda: comm._run(bound, None),
         "engine.execute alone": lambda: engine.execute(*arrays),
-        "execute_at entry alone": functools.partial(lean[7], lean[8], lean[9]),
+        "entry_at entry alone": functools.partial(lean[7], lean[8]),
         "dispatch of 3 arrays": lambda: _nothing(*arrays),
     }
     if comm.world_size > 1:
         del parts["engine.execute alone"]  # alone, it would wait for the peer's half
-        del parts["execute_at entry alone"]
+        del parts["entry_at entry alone"]
         del parts["dispatch of 3 arrays"]
         del parts["run loop + engine (bound)"]
     out: dict[str, list[float]] = {k: [] for k in parts}

@@ -120,7 +120,9 @@ class _Announcer(event.Listener):
                 raise _Retry() from None
             self.lock = fd
         dispatcher = ev.data["dispatcher"]
-        self.kind = "bfloat16" if "bfloat16" in dispatcher.py_func.__name__ else payload_dtype(ev.data["args"])
+        self.kind = getattr(dispatcher, "payload", None) or (
+            "bfloat16" if "bfloat16" in dispatcher.py_func.__name__ else payload_dtype(ev.data["args"])
+        )
         if os.path.exists(self._marker()):
             return  # said before (another function of the same kind, or an earlier process)
         what, about = (f"kernels for {self.kind}", ENGINE_COMPILE_S) if self.kind else ("kernels", CONTROL_COMPILE_S)
@@ -171,12 +173,10 @@ def _tell(compiling: bool) -> None:
 
 def payload_dtype(args: tuple[Any, ...]) -> str:
     """The dtype a compile is for: its arrays' element type other than the int64 of tables and
-    control words, e.g. ``float32`` for ``execute(handles, x, out)`` and ``execute_at(record,
-    np.float32)``; ``int64`` for a function of three int64 arrays or more, or of the scalar type
-    ``np.int64`` (the engine's int64 payload); "" for control kernels."""
-    scalar = [str(a.instance_type) for a in args if isinstance(a, types.NumberClass)]
-    if scalar:  # execute_at
-        return scalar[0]
+    control words, e.g. ``float32`` for ``execute(handles, x, out)``; ``int64`` for a function of
+    three int64 arrays or more (the engine's int64 payload); "" for control kernels. (A
+    dispatcher whose arguments do not say, such as ``engine.entry_at``'s, carries it as its
+    ``payload`` attribute.)"""
     names = [str(a.dtype) for a in args if isinstance(a, types.Array)]
     return next((n for n in reversed(names) if n != "int64"), "int64" if len(names) >= 3 else "")
 

@@ -347,8 +347,6 @@ def test_payload_dtype() -> None:
     assert payload_dtype((i64, f32, f32)) == "float32"
     assert payload_dtype((i64, i64, i64)) == "int64"
     assert payload_dtype((i64, types.int64)) == ""
-    assert payload_dtype((types.int64, types.NumberClass(types.float64))) == "float64"  # execute_at
-    assert payload_dtype((types.int64, types.NumberClass(types.int64))) == "int64"
 
 
 def test_auto_log_lines_name_their_rank(tmp_path) -> None:  # type: ignore[no-untyped-def]

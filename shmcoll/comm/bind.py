@@ -153,14 +153,14 @@ def _promote(rt: Runtime, code: int, m: Any) -> None:
         rt._lean[code] = NOT_LEAN
         return
     record = engine.record_for(call.start, b[1], b[2])
-    rt._lean[code] = (*m[:7], enter, record.ctypes.data, call.engine_dtype.type, b, record)
+    rt._lean[code] = (*m[:7], enter, record.ctypes.data, b, record)
 
 
 _ENTRIES: dict[np.dtype, Any] = {}
 
 
 def lean_entry(dtype: np.dtype) -> Any:
-    """The engine's entry for a remembered call of engine dtype ``dtype`` (``engine.execute_at``,
+    """The engine's entry for a remembered call of engine dtype ``dtype`` (``engine.entry_at``,
     compiled on first use), or None for a dtype it does not take (a non-native byte order)."""
     enter = _ENTRIES.get(dtype, False)
     if enter is False:

@@ -398,6 +398,8 @@ class Runtime:
         nothing else needs the run loop (no timeout given, no started operations pending, no
         nested call held, not broken; no trace: then no call is kept for it). What it skips: the
         binder, the run loop's frame, numba's dispatch and the unboxing of three arrays.
+        ``allreduce``, ``broadcast`` and ``reduce`` write these tests out in their own bodies (the
+        method call is 60-90 ns of a 0.4 us call); a change here must be made there too.
         """
         m = self._lean[code]
         if (
@@ -415,8 +417,8 @@ class Runtime:
             or (self._progress is not None and self._progress.pending)
         ):
             return MISS
-        st = m[7](m[8], m[9])
-        b = m[10]
+        st = m[7](m[8])
+        b = m[9]
         if st != engine.OK:
             self._wait_or_raise(st, b[0], b[1], b[2], self._timeout)
         return b[3]

@@ -346,6 +346,8 @@ def _repeated(comm):  # type: ignore[no-untyped-def]
     z[...] = r + 1.5
     comm.allreduce(z)
     seen.append(z.tolist())
+    z[...] = r + 1.5
+    comm.allreduce(z)  # made again: on the lean path when it is made read-only
     z.flags.writeable = False
     try:
         comm.allreduce(z)
@@ -356,6 +358,31 @@ def _repeated(comm):  # type: ignore[no-untyped-def]
     for k in range(2):
         comm.allgather(np.full(2, r + k, np.float32), out=g)  # a new x each time
         seen.append(g[:, 0].tolist())
+    # broadcast and reduce write the lean path's tests out again (communicator.py): the same
+    # changes must reach them.
+    c, o = np.full(4, r, np.int64), np.empty(4, np.int64)
+    for _ in range(3):
+        comm.broadcast(c, root=n - 1, out=o)  # the lean path from its second call
+    c.dtype = o.dtype = np.float64
+    c[...] = r + 0.5
+    comm.broadcast(c, root=n - 1, out=o)
+    seen.append(o.tolist())
+    comm.broadcast(c, root=n - 1, out=o)  # made again: on the lean path when it is made read-only
+    o.flags.writeable = False  # on every rank, and every rank writes out: all raise, none sends
+    try:
+        comm.broadcast(c, root=n - 1, out=o)
+        seen.append("no error")
+    except ValueError as exc:
+        seen.append(str(exc))
+    y = np.full(4, r + 1, np.int64)
+    for _ in range(3):
+        comm.reduce(y, 0, out=y if r == 0 else None)
+    y.dtype = np.float64
+    y[...] = r + 0.25
+    res = comm.reduce(y, 0, out=y if r == 0 else None)
+    seen.append((res is y) if r == 0 else (res is None))
+    comm.broadcast(y, root=0)
+    seen.append(y.tolist())
     return seen
 
 
@@ -439,4 +466,6 @@ def test_repeated_calls_notice_what_changed(pools) -> None:  # type: ignore[no-u
     want += [[0] * 3, [n - 1] * 3, [0] * 3]
     want += [[sum(r + 1.5 for r in range(n))] * 4, "x is read-only but this call writes into it"]
     want += [[float(r) for r in range(n)], [float(r + 1) for r in range(n)]]
+    want += [[n - 0.5] * 4, "out is read-only"]
+    want += [True, [sum(r + 0.25 for r in range(n))] * 4]
     assert all(res == want for res in results), results
