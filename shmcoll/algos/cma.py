@@ -18,7 +18,8 @@ rings: none. Memory traffic per rank: it reads what it needs once and writes its
 Constraints: only copies (a reduction would need the peer's data in this process first, which
 is what the rings do); cross-memory attach must be permitted (``Query.cma``). ``auto`` weighs it
 only from :func:`auto_from` on (a system call per block and the syncs cost what the cost model
-does not see), for an in-place broadcast only below 1 MiB and never for gather (see there),
+does not see), for an in-place broadcast only below 1 MiB, for alltoall only out of place, and
+never for gather (see there),
 with the model or the tune table's measurements; asked for by name it serves any size.
 """
 
@@ -31,7 +32,8 @@ from shmcoll.plan.ir import Buf, Region
 
 
 def auto_from(world_size: int) -> int:
-    """Smallest call (``select.call_size``) for which ``auto`` weighs cma: 64 KiB at 2 ranks,
+    """Smallest call (``select.call_size``) for which ``auto`` weighs cma (scatter's; the others
+    have their own below): 64 KiB at 2 ranks (32 KiB: 2.31 against 2.13 us for ``direct``),
     1 MiB above (measured with ``benchmarks/auto_vs_best.py`` on the 2-core machine: at 4 ranks
     each sync costs context switches, and cma lost to the rings up to 256 KiB there)."""
     return 64 << 10 if world_size <= 2 else 1 << 20
@@ -39,9 +41,18 @@ def auto_from(world_size: int) -> int:
 
 def _blocks_from(world_size: int) -> int:
     """:func:`auto_from` for allgather and alltoall, where every rank copies a block from every
-    peer at once: 512 KiB above 2 ranks (at 4 ranks, 512 KiB: alltoall 88 against 141 us for
-    ``direct``, allgather 80 against 100 us for ``ring``; 256 KiB within 10% either way)."""
-    return auto_from(world_size) if world_size <= 2 else 512 << 10
+    peer at once: 32 KiB at 2 ranks (32 KiB: alltoall 3.18 against 3.64 us for ``direct``,
+    allgather 2.99 against 3.03 for ``ring``; 16 KiB: cma 0.2-0.5 us slower), 512 KiB above (at 4
+    ranks, 512 KiB: alltoall 88 against 141 us for ``direct``, allgather 80 against 100 us for
+    ``ring``; 256 KiB within 10% either way)."""
+    return 32 << 10 if world_size <= 2 else 512 << 10
+
+
+def _broadcast_from(world_size: int) -> int:
+    """:func:`auto_from` for broadcast: 32 KiB at 2 ranks (32 KiB out of place: 2.70-2.77 us
+    against 3.15-3.51 for the rings; in place 2.71 against 2.68-2.71, a tie; 16 KiB: cma
+    0.1-0.4 us slower), :func:`auto_from` above."""
+    return 32 << 10 if world_size <= 2 else auto_from(world_size)
 
 
 def _never(world_size: int) -> int:
@@ -69,7 +80,7 @@ def _broadcast_if(query: Query, size: int) -> bool:
     return not query.inplace or size < 1 << 20
 
 
-@register("broadcast", "cma", piece=_whole, supports=_permitted, auto_from=auto_from, auto_if=_broadcast_if)
+@register("broadcast", "cma", piece=_whole, supports=_permitted, auto_from=_broadcast_from, auto_if=_broadcast_if)
 def broadcast(ctx: Context) -> None:
     """Every rank copies the root's buffer."""
     zerocopy.broadcast(ctx)
@@ -89,7 +100,16 @@ def gather(ctx: Context) -> None:
     zerocopy.gather(ctx)
 
 
-@register("alltoall", "cma", piece=_whole, supports=_permitted, auto_from=_blocks_from)
+def _alltoall_if(query: Query, size: int) -> bool:
+    """Where ``auto`` weighs cma for alltoall: out of place only. In place, every block goes
+    through scratch behind an extra sync, and cma was slower than ``direct`` at every size
+    measured on the 2-core machine (``shmcoll bench -c alltoall -a cma,direct``, in place: 2
+    ranks 32 KiB 5.94 against 3.35 us, 1 MiB 77 against 61, 16 MiB 1182 against 1110; 4 ranks
+    256 KiB 69 against 40, 16 MiB 4419 against 3470)."""
+    return not query.inplace
+
+
+@register("alltoall", "cma", piece=_whole, supports=_permitted, auto_from=_blocks_from, auto_if=_alltoall_if)
 def alltoall(ctx: Context) -> None:
     """Rank ``r`` copies block ``r`` of every input (through scratch when in place)."""
     zerocopy.alltoall(ctx)

@@ -77,7 +77,13 @@ def test_auto_weighs_cma_only_for_large_calls() -> None:
         return decide(query, overrides="", table=None).algorithm.name
 
     assert pick(16 << 20) == "cma"  # one copy instead of two: the model sees it
-    assert pick(4 << 10) != "cma"  # a system call per block does not pay below auto_from
+    assert pick(16 << 10) != "cma"  # a system call per block does not pay below auto_from
+    for collective in ("allgather", "alltoall", "broadcast"):  # 2 ranks: from 32 KiB
+        assert pick(32 << 10, collective=collective) == "cma", collective
+    assert pick(32 << 10, collective="scatter") != "cma" and pick(64 << 10, collective="scatter") == "cma"
+    # alltoall in place: through scratch behind an extra sync, slower than direct at every size
+    assert pick(16 << 20, collective="alltoall", inplace=True) != "cma"
+    assert pick(16 << 20, n=4, collective="alltoall", inplace=True) != "cma"
     assert pick(16 << 20, permitted=False) != "cma"
     assert pick(256 << 10, n=4) != "cma" and pick(16 << 20, n=4) == "cma"  # more ranks, more syncs
     assert pick(512 << 10, n=4) == "cma" and pick(512 << 10, n=4, collective="alltoall") == "cma"
