@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from shmcoll.collectives import Collective
+from shmcoll.collectives import KIND_CODE, Collective
 from shmcoll.comm import arrays, device, registered, tensors
 from shmcoll.comm.calls import Bound, Call
 from shmcoll.comm.runtime import Runtime
@@ -521,6 +521,25 @@ def _alltoallv(rt: Runtime, coll: Collective, x: Any, out: Any, send: Any, recv:
     return HOST.bind(rt, call, x, out, out, None, writeable)  # type: ignore[no-any-return]
 
 
+_BARRIER_CODE = KIND_CODE["barrier"]
+
+
 def barrier(rt: Runtime) -> Bound:
     call = rt._shape(("barrier",), "barrier", np.dtype(np.uint8), 0, algorithm="direct")
     return rt._bind(call, None, None, None, None)  # type: ignore[no-any-return]
+
+
+def lean_barrier(rt: Runtime) -> None:
+    """Give ``barrier`` the lean path after its first call: it has no arrays to compare, so its
+    ``_lean`` entry holds only the entry point, the record's address, the bound call and the
+    record (at the places :func:`_promote` puts them). Without it a barrier paid numba's dispatch
+    and the unboxing of three empty arrays at every call: 1.07 us at 2 ranks against an 8-byte
+    allreduce's 0.70."""
+    b = barrier(rt)
+    call = b[0]
+    enter = None if call.finish or rt._trace else lean_entry(call.engine_dtype)
+    if enter is None:
+        rt._lean[_BARRIER_CODE] = NOT_LEAN
+        return
+    record = engine.record_for(call.start, b[1], b[2])
+    rt._lean[_BARRIER_CODE] = (None,) * 7 + (enter, record.ctypes.data, b, record)

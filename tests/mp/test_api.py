@@ -449,6 +449,34 @@ def _lean_loops(comm):  # type: ignore[no-untyped-def]
     return wrong, sorted(lean), promoted
 
 
+def _lean_barriers(comm, flag_dir):  # type: ignore[no-untyped-def]
+    """Barriers in a loop (the lean path from the second): in each round one rank sleeps, then
+    writes a flag file, then enters; every rank must see that round's flag once it is through."""
+    n, r = comm.world_size, comm.rank
+    missed = []
+    code = shmcoll.collectives.KIND_CODE["barrier"]
+    lean_after = []
+    for k in range(2 * n + 1):
+        if r == k % n:
+            time.sleep(0.05)
+            with open(os.path.join(flag_dir, f"round-{k}"), "w"):
+                pass
+        comm.barrier()
+        if not os.path.exists(os.path.join(flag_dir, f"round-{k}")):
+            missed.append(k)
+        lean_after.append(_is_lean(comm._lean[code]))
+    return missed, lean_after
+
+
+def test_lean_barriers_still_wait_for_everyone(pools, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    for n in (2, 3):
+        flags = tmp_path / f"n{n}"
+        flags.mkdir()
+        for missed, lean_after in pools.get(n).run(_lean_barriers, str(flags)):
+            assert missed == []
+            assert all(lean_after[1:])  # the lean path from the second barrier at the latest
+
+
 def test_lean_path_loops_give_every_iterations_result(pools) -> None:  # type: ignore[no-untyped-def]
     for n in (1, 2, 3):
         for wrong, lean, promoted in pools.get(n).run(_lean_loops):
