@@ -18,9 +18,16 @@ rings: none. Memory traffic per rank: it reads what it needs once and writes its
 Constraints: only copies (a reduction would need the peer's data in this process first, which
 is what the rings do); cross-memory attach must be permitted (``Query.cma``). ``auto`` weighs it
 only from :func:`auto_from` on (a system call per block and the syncs cost what the cost model
-does not see), for an in-place broadcast only below 1 MiB, for alltoall only out of place, and
-never for gather (see there),
-with the model or the tune table's measurements; asked for by name it serves any size.
+does not see) and never for gather (see there), with the model or the tune table's
+measurements; asked for by name it serves any size.
+
+``auto`` cannot tell in place from out of place here: in place is per rank, and every rank of a
+call must choose the same algorithm (``select.choose`` decides on the out-of-place query). Two
+measured cases would want a rule on it: an in-place alltoall goes through scratch behind a third
+sync and was slower than ``direct`` at every size (2 ranks: 32 KiB 5.94 against 3.35 us, 16 MiB
+1182 against 1110; 4 ranks: 16 MiB 4419 against 3470), and an in-place broadcast at 2 ranks and
+1 MiB took 88 us against 47-51 out of place (the root's own copy, made while the others read
+its buffer, brings that buffer nearer to them: a 1 MiB effect on this machine, gone from 2 MiB).
 """
 
 from __future__ import annotations
@@ -70,17 +77,7 @@ def _permitted(query: Query) -> str | None:
 _whole = zerocopy._whole  # no slots carry data, so a call is never cut into pieces
 
 
-def _broadcast_if(query: Query, size: int) -> bool:
-    """Where ``auto`` weighs cma for broadcast: out of place, or in place below 1 MiB. In place
-    from 1 MiB the rings' pipelined copies were faster on the 2-core machine at 2 and 4 ranks
-    (2 ranks: 103 / 197 / 367 us against ``ps``'s 73 / 141 / 305 at 1 / 2 / 4 MiB; busbw 3.4-4.4
-    against 4.6-5.0 GB/s for ``dbtree`` at 4 ranks), while out of place, where the root copies
-    its own buffer too, cma was 1.2-1.8x the rings (``benchmarks/auto_vs_best.py``, ``shmcoll
-    bench -c broadcast -a cma,ps --both``)."""
-    return not query.inplace or size < 1 << 20
-
-
-@register("broadcast", "cma", piece=_whole, supports=_permitted, auto_from=_broadcast_from, auto_if=_broadcast_if)
+@register("broadcast", "cma", piece=_whole, supports=_permitted, auto_from=_broadcast_from)
 def broadcast(ctx: Context) -> None:
     """Every rank copies the root's buffer."""
     zerocopy.broadcast(ctx)
@@ -100,16 +97,7 @@ def gather(ctx: Context) -> None:
     zerocopy.gather(ctx)
 
 
-def _alltoall_if(query: Query, size: int) -> bool:
-    """Where ``auto`` weighs cma for alltoall: out of place only. In place, every block goes
-    through scratch behind an extra sync, and cma was slower than ``direct`` at every size
-    measured on the 2-core machine (``shmcoll bench -c alltoall -a cma,direct``, in place: 2
-    ranks 32 KiB 5.94 against 3.35 us, 1 MiB 77 against 61, 16 MiB 1182 against 1110; 4 ranks
-    256 KiB 69 against 40, 16 MiB 4419 against 3470)."""
-    return not query.inplace
-
-
-@register("alltoall", "cma", piece=_whole, supports=_permitted, auto_from=_blocks_from, auto_if=_alltoall_if)
+@register("alltoall", "cma", piece=_whole, supports=_permitted, auto_from=_blocks_from)
 def alltoall(ctx: Context) -> None:
     """Rank ``r`` copies block ``r`` of every input (through scratch when in place)."""
     zerocopy.alltoall(ctx)

@@ -40,10 +40,6 @@ def _anywhere(world_size: int) -> int:
     return 0
 
 
-def _yes(query: Query, size: int) -> bool:
-    return True
-
-
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
     """A registered builder for one collective.
@@ -53,8 +49,8 @@ class Algorithm:
     on its options (``hierarchical``'s groups) gives ``options_piece`` instead, and callers ask
     :meth:`piece_count`. ``supports(query)`` returns ``None`` when the algorithm can serve the
     call, else the reason it cannot. ``auto_from(world_size)``: the automatic choice considers it
-    only for calls of at least this size (``select.call_size``), and only where
-    ``auto_if(query, size)`` holds; asked for by name it serves any.
+    only for calls of at least this size (``select.call_size``); asked for by name it serves any.
+    (There is no rule on in place: it is per rank, and every rank of a call must choose alike.)
     """
 
     collective: str
@@ -65,11 +61,10 @@ class Algorithm:
     doc: str
     options_piece: OptionsPieceRule | None = None
     auto_from: Callable[[int], int] = _anywhere
-    auto_if: Callable[[Query, int], bool] = _yes
 
     def for_auto(self, query: Query, size: int) -> bool:
         """Whether the automatic choice weighs this algorithm for ``query`` (``size`` bytes)."""
-        return self.auto_from(query.world_size) <= size and self.auto_if(query, size)
+        return self.auto_from(query.world_size) <= size
 
     def piece_count(self, slot_capacity: int, world_size: int, options: Mapping[str, object] | None = None) -> int:
         """The piece for a call with these builder options (see the class docstring)."""
@@ -102,7 +97,6 @@ def register(
     supports: Supports = _always,
     options_piece: OptionsPieceRule | None = None,
     auto_from: Callable[[int], int] | None = None,
-    auto_if: Callable[[Query, int], bool] | None = None,
 ) -> Callable[[Builder], Builder]:
     """Register ``build`` as algorithm ``name`` of ``collective``."""
     if name not in ALGORITHM_NAMES:
@@ -113,9 +107,7 @@ def register(
         if key in _REGISTRY:
             raise ValueError(f"{collective}/{name} registered twice")
         doc = (build.__doc__ or "").strip()
-        _REGISTRY[key] = Algorithm(
-            collective, name, build, piece, supports, doc, options_piece, auto_from or _anywhere, auto_if or _yes
-        )
+        _REGISTRY[key] = Algorithm(collective, name, build, piece, supports, doc, options_piece, auto_from or _anywhere)
         return build
 
     return decorate

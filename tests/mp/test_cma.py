@@ -13,7 +13,7 @@ import pytest
 from harness import run_ranks
 
 from shmcoll import config
-from shmcoll.algos.select import decide
+from shmcoll.algos.select import choose, decide
 from shmcoll.errors import UnsupportedError
 from shmcoll.plan.algorithm import Query
 from shmcoll.shm import cma
@@ -81,18 +81,17 @@ def test_auto_weighs_cma_only_for_large_calls() -> None:
     for collective in ("allgather", "alltoall", "broadcast"):  # 2 ranks: from 32 KiB
         assert pick(32 << 10, collective=collective) == "cma", collective
     assert pick(32 << 10, collective="scatter") != "cma" and pick(64 << 10, collective="scatter") == "cma"
-    # alltoall in place: through scratch behind an extra sync, slower than direct at every size
-    assert pick(16 << 20, collective="alltoall", inplace=True) != "cma"
-    assert pick(16 << 20, n=4, collective="alltoall", inplace=True) != "cma"
     assert pick(16 << 20, permitted=False) != "cma"
     assert pick(256 << 10, n=4) != "cma" and pick(16 << 20, n=4) == "cma"  # more ranks, more syncs
     assert pick(512 << 10, n=4) == "cma" and pick(512 << 10, n=4, collective="alltoall") == "cma"
     assert pick(16 << 20, collective="gather") != "cma"  # the root would copy everything alone
-    # broadcast in place: cma below 1 MiB only (the rings' pipelined copies were faster there)
-    assert pick(256 << 10, collective="broadcast", inplace=True) == "cma"
-    assert pick(1 << 20, collective="broadcast", inplace=True) != "cma"
-    assert pick(16 << 20, n=4, collective="broadcast", inplace=True) != "cma"
     assert pick(16 << 20, collective="broadcast") == "cma" and pick(16 << 20, n=4, collective="broadcast") == "cma"
+    # In place is per rank: what a rank picks must not depend on it, or ranks would disagree.
+    for collective in ("broadcast", "alltoall", "allgather"):
+        for n, nbytes in ((2, 32 << 10), (2, 1 << 20), (4, 16 << 20)):
+            count = nbytes // 4 // (n if collective != "broadcast" else 1)
+            picked = {choose(Query(collective, n, count, 4, inplace=ip, cma=True)).name for ip in (False, True)}
+            assert len(picked) == 1, (collective, n, nbytes, picked)
     reason = decide(Query("allgather", 2, 4 << 20, 4, cma=False), overrides="allgather:cma", table=None)
     assert reason.algorithm.name != "cma"  # an override it cannot serve is skipped (and logged)
 
