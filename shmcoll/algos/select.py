@@ -46,6 +46,7 @@ from shmcoll.collectives import COLLECTIVES
 from shmcoll.errors import UnsupportedError
 from shmcoll.plan import cost
 from shmcoll.plan.cost import CostModel
+from shmcoll.shm import layout
 from shmcoll.units import format_time, parse_size
 
 log = logging.getLogger("shmcoll")
@@ -158,6 +159,7 @@ class TuneTable:
     def to_json(self) -> dict[str, Any]:
         return {
             "version": TUNE_VERSION,
+            "layout": layout.VERSION,
             "model": self.model.to_dict(),
             "slot_bytes": self.slot_bytes,
             "measured": [
@@ -177,6 +179,13 @@ class TuneTable:
     def from_json(cls, data: dict[str, Any], source: str = "") -> TuneTable:
         if data.get("version") != TUNE_VERSION:
             raise ValueError(f"tune table version {data.get('version')!r}, expected {TUNE_VERSION}")
+        if data.get("layout") != layout.VERSION:
+            # Times measured on other rings (layout 6 changed slots to cells) would steer auto by
+            # the old engine's costs.
+            raise ValueError(
+                f"measured with shared-memory layout {data.get('layout')!r}, this shmcoll has {layout.VERSION}: "
+                "run `shmcoll tune` again"
+            )
         measured = []
         for m in data.get("measured", []):
             sizes = tuple(int(s) for s in m["sizes"])

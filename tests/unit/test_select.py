@@ -17,6 +17,7 @@ from shmcoll.errors import UnsupportedError
 from shmcoll.plan import cost
 from shmcoll.plan.builder import Context, accumulate_in_rank_order
 from shmcoll.plan.ir import Buf
+from shmcoll.shm import layout
 
 KB, MB = 1 << 10, 1 << 20
 MODEL = cost.CostModel(alpha_s=2e-6, beta_Bps=4e9)
@@ -310,6 +311,13 @@ def test_table_round_trip_and_bad_files(tmp_path, caplog) -> None:  # type: igno
     with caplog.at_level(logging.WARNING, logger="shmcoll"):
         assert select.load_table(str(bad)) is None
     assert "ignoring tune table" in caplog.text
+    # A table measured on another shared-memory layout (older rings) is not believed.
+    stale = tmp_path / "stale.json"
+    stale.write_text(json.dumps({**table.to_json(), "layout": layout.VERSION - 1}))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="shmcoll"):
+        assert select.load_table(str(stale)) is None
+    assert f"layout {layout.VERSION - 1}" in caplog.text and "run `shmcoll tune` again" in caplog.text
     select.reset()
 
 
