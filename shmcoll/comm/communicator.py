@@ -258,7 +258,7 @@ class Communicator(PersistentForms):
                 which the communicator is broken.
         """
         # Runtime._again written out, as in allreduce: a small broadcast is mostly this call's own
-        # cost (0.45 us at one rank), and the method call this saves is 90 ns of it.
+        # cost, and the method call this saves was 90 ns of it (0.45 -> 0.36 us at one rank).
         m = self._lean[_BROADCAST_CODE]
         if (
             m is not None
