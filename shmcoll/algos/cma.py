@@ -18,8 +18,9 @@ rings: none. Memory traffic per rank: it reads what it needs once and writes its
 Constraints: only copies (a reduction would need the peer's data in this process first, which
 is what the rings do); cross-memory attach must be permitted (``Query.cma``). ``auto`` weighs it
 only from :func:`auto_from` on (a system call per block and the syncs cost what the cost model
-does not see) and never for gather (see there), with the model or the tune table's
-measurements; asked for by name it serves any size.
+does not see), not for broadcasts from 1 to 16 MiB (see :func:`_broadcast_skips`), and never
+for gather (see there), with the model or the tune table's measurements; asked for by name it
+serves any size.
 
 ``auto`` cannot tell in place from out of place here: in place is per rank, and every rank of a
 call must choose the same algorithm (``select.choose`` decides on the out-of-place query). Two
@@ -28,6 +29,8 @@ sync and was slower than ``direct`` at every size (2 ranks: 32 KiB 5.94 against 
 1182 against 1110; 4 ranks: 16 MiB 4419 against 3470), and an in-place broadcast at 2 ranks and
 1 MiB took 88 us against 47-51 out of place (the root's own copy, made while the others read
 its buffer, brings that buffer nearer to them: a 1 MiB effect on this machine, gone from 2 MiB).
+For broadcast, where in place is the common call, the sizes where it loses are left to the
+rings (:func:`_broadcast_skips`); an in-place alltoall is rare, and runs cma like the others.
 """
 
 from __future__ import annotations
@@ -77,7 +80,20 @@ def _permitted(query: Query) -> str | None:
 _whole = zerocopy._whole  # no slots carry data, so a call is never cut into pieces
 
 
-@register("broadcast", "cma", piece=_whole, supports=_permitted, auto_from=_broadcast_from)
+def _broadcast_skips(world_size: int, size: int) -> bool:
+    """Where ``auto`` leaves broadcast to the rings although cma is weighed below and above: from
+    1 MiB to 16 MiB. In place (the form MPI's and torch's broadcast have) the rings were faster
+    there at 2 and 4 ranks, while out of place cma was faster at 2 ranks; ``auto`` cannot tell
+    the two apart (see the module doc), and in place is the common call. ``shmcoll bench -c
+    broadcast -a cma,ps,dbtree,ring``, in place: 2 ranks 1 / 2 / 4 / 8 MiB cma 109 / 228 / 370 /
+    668 us against the best ring's 72 / 150 / 321 / 611, 16 and 32 MiB a tie (1287 against 1297,
+    2615 against 2506); 4 ranks 1 / 4 MiB 240 / 846 against 201 / 795, 16 and 64 MiB cma 1.25x
+    and 1.10x faster. Out of place at 2 ranks cma was 1.17-1.5x faster from 4 MiB, at 4 ranks
+    within 8% of the rings below 16 MiB."""
+    return 1 << 20 <= size < 16 << 20
+
+
+@register("broadcast", "cma", piece=_whole, supports=_permitted, auto_from=_broadcast_from, auto_skip=_broadcast_skips)
 def broadcast(ctx: Context) -> None:
     """Every rank copies the root's buffer."""
     zerocopy.broadcast(ctx)

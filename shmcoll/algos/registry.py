@@ -49,8 +49,9 @@ class Algorithm:
     on its options (``hierarchical``'s groups) gives ``options_piece`` instead, and callers ask
     :meth:`piece_count`. ``supports(query)`` returns ``None`` when the algorithm can serve the
     call, else the reason it cannot. ``auto_from(world_size)``: the automatic choice considers it
-    only for calls of at least this size (``select.call_size``); asked for by name it serves any.
-    (There is no rule on in place: it is per rank, and every rank of a call must choose alike.)
+    only for calls of at least this size (``select.call_size``), and not where
+    ``auto_skip(world_size, size)`` holds; asked for by name it serves any. (There is no rule on
+    in place: it is per rank, and every rank of a call must choose alike.)
     """
 
     collective: str
@@ -61,10 +62,12 @@ class Algorithm:
     doc: str
     options_piece: OptionsPieceRule | None = None
     auto_from: Callable[[int], int] = _anywhere
+    auto_skip: Callable[[int, int], bool] | None = None
 
     def for_auto(self, query: Query, size: int) -> bool:
         """Whether the automatic choice weighs this algorithm for ``query`` (``size`` bytes)."""
-        return self.auto_from(query.world_size) <= size
+        n = query.world_size
+        return self.auto_from(n) <= size and (self.auto_skip is None or not self.auto_skip(n, size))
 
     def piece_count(self, slot_capacity: int, world_size: int, options: Mapping[str, object] | None = None) -> int:
         """The piece for a call with these builder options (see the class docstring)."""
@@ -97,6 +100,7 @@ def register(
     supports: Supports = _always,
     options_piece: OptionsPieceRule | None = None,
     auto_from: Callable[[int], int] | None = None,
+    auto_skip: Callable[[int, int], bool] | None = None,
 ) -> Callable[[Builder], Builder]:
     """Register ``build`` as algorithm ``name`` of ``collective``."""
     if name not in ALGORITHM_NAMES:
@@ -107,7 +111,9 @@ def register(
         if key in _REGISTRY:
             raise ValueError(f"{collective}/{name} registered twice")
         doc = (build.__doc__ or "").strip()
-        _REGISTRY[key] = Algorithm(collective, name, build, piece, supports, doc, options_piece, auto_from or _anywhere)
+        _REGISTRY[key] = Algorithm(
+            collective, name, build, piece, supports, doc, options_piece, auto_from or _anywhere, auto_skip
+        )
         return build
 
     return decorate
