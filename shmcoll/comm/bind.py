@@ -146,14 +146,21 @@ def _promote(rt: Runtime, code: int, m: Any) -> None:
     numpy calls with no work after the engine's. Only at its second call, because its record
     costs about 3 us to make (numpy's ``ctypes.data``), which a call that never repeats (new
     arrays every time) must not pay."""
-    b = m[7]
+    _make_lean(rt, code, m[:7], m[7], m[8] is None)
+
+
+def _make_lean(rt: Runtime, code: int, identity: tuple[Any, ...], b: Any, eligible: bool) -> None:
+    """``rt._lean[code]``: the call's identity (the seven items the lean tests compare), then the
+    entry point, the record's address, the bound call and the record; or :data:`NOT_LEAN` where
+    the call has work after the engine's, a trace is on, its dtype has no entry point, or the
+    caller says it is not ``eligible``."""
     call = b[0]
-    enter = None if m[8] is not None or call.finish or rt._trace else lean_entry(call.engine_dtype)
+    enter = lean_entry(call.engine_dtype) if eligible and not call.finish and not rt._trace else None
     if enter is None:
         rt._lean[code] = NOT_LEAN
         return
     record = engine.record_for(call.start, b[1], b[2])
-    rt._lean[code] = (*m[:7], enter, record.ctypes.data, b, record)
+    rt._lean[code] = (*identity, enter, record.ctypes.data, b, record)
 
 
 _ENTRIES: dict[np.dtype, Any] = {}
@@ -529,17 +536,9 @@ def barrier(rt: Runtime) -> Bound:
     return rt._bind(call, None, None, None, None)  # type: ignore[no-any-return]
 
 
-def lean_barrier(rt: Runtime) -> None:
-    """Give ``barrier`` the lean path after its first call: it has no arrays to compare, so its
-    ``_lean`` entry holds only the entry point, the record's address, the bound call and the
-    record (at the places :func:`_promote` puts them). Without it a barrier paid numba's dispatch
-    and the unboxing of three empty arrays at every call: 1.07 us at 2 ranks against an 8-byte
+def lean_barrier(rt: Runtime, b: Bound) -> None:
+    """Give ``barrier`` (bound as ``b``) the lean path after its first call: it has no arrays to
+    compare, so its identity is empty. Without it a barrier paid numba's dispatch and the
+    unboxing of three empty arrays at every call: 1.07 us at 2 ranks against an 8-byte
     allreduce's 0.70."""
-    b = barrier(rt)
-    call = b[0]
-    enter = None if call.finish or rt._trace else lean_entry(call.engine_dtype)
-    if enter is None:
-        rt._lean[_BARRIER_CODE] = NOT_LEAN
-        return
-    record = engine.record_for(call.start, b[1], b[2])
-    rt._lean[_BARRIER_CODE] = (None,) * 7 + (enter, record.ctypes.data, b, record)
+    _make_lean(rt, _BARRIER_CODE, (None,) * 7, b, True)

@@ -809,9 +809,10 @@ class Communicator(PersistentForms):
             if st != _OK:
                 self._wait_or_raise(st, m[9][0], m[9][1], m[9][2], self._timeout)
             return
-        self._run(bind.barrier(self), timeout)
+        b = bind.barrier(self)
+        self._run(b, timeout)
         if m is None:
-            bind.lean_barrier(self)
+            bind.lean_barrier(self, b)
 
     # --- nonblocking collectives ---------------------------------------------------------------
     # Each starts the blocking method's operation and returns a Request at once; req.wait()

@@ -5,15 +5,16 @@ call's buffers and ``handles`` (:func:`handles_for`) holds the addresses and siz
 not change between calls of one shape: ``prog``, the encoded table (``plan.ir``); ``tmp``, the
 call's scratch; ``data``, the whole arena viewed as the call's dtype (messages are addressed
 inside it); ``ctrl``, the arena viewed as int64 (control words, message headers); and
-``state``, this rank's engine state (below). Taking them as one table instead of five arguments saves numba's unboxing
-of four arrays on every call (about 55 ns each); the caller keeps the arrays alive.
+``state``, this rank's engine state (below). Taking them as one table instead of five arguments
+saves numba's unboxing of four arrays on every call (about 55 ns each); the caller keeps the
+arrays alive.
 
 A step first waits until everything it needs is there: an incoming message (RECV) and free
 cells for the outgoing one (SEND); only then does it touch memory, so a step either runs
-completely or not at all. That makes the engine **resumable**: when a wait has lasted one time slice
-(``S_SLICE_NS``) it returns ``WAITING`` with its position saved in ``state``, Python checks the
-deadline and the peers' liveness (cheap there, awkward here), and calls ``execute`` again to
-carry on. Jitted code never raises; it returns a status and leaves details in ``state``.
+completely or not at all. That makes the engine **resumable**: when a wait has lasted one time
+slice (``S_SLICE_NS``) it returns ``WAITING`` with its position saved in ``state``, Python
+checks the deadline and the peers' liveness (cheap there, awkward here), and calls ``execute``
+again to carry on. Jitted code never raises; it returns a status and leaves details in ``state``.
 
 Waiting, in three stages, because ranks often outnumber cores here:
 
