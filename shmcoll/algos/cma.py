@@ -101,8 +101,8 @@ def broadcast(ctx: Context) -> None:
 
 @register("allgather", "cma", piece=_whole, supports=_permitted, auto_from=_blocks_from)
 def allgather(ctx: Context) -> None:
-    """Every rank copies every input into its block."""
-    zerocopy.allgather(ctx)
+    """Every rank copies every input into its block, its own first (see ``zerocopy.sources``)."""
+    zerocopy.copy_allgather(ctx, own_first=True)
 
 
 # Not for auto: the root alone copies every block, where the rings share the copying between
@@ -115,8 +115,9 @@ def gather(ctx: Context) -> None:
 
 @register("alltoall", "cma", piece=_whole, supports=_permitted, auto_from=_blocks_from)
 def alltoall(ctx: Context) -> None:
-    """Rank ``r`` copies block ``r`` of every input (through scratch when in place)."""
-    zerocopy.alltoall(ctx)
+    """Rank ``r`` copies block ``r`` of every input (through scratch when in place), its own
+    first (see ``zerocopy.sources``)."""
+    zerocopy.copy_alltoall(ctx, own_first=True)
 
 
 @register("scatter", "cma", piece=_whole, supports=_permitted, auto_from=auto_from)

@@ -230,3 +230,19 @@ def test_verifier_catches_a_clobbered_input() -> None:
 def test_race_check_catches_returning_while_a_peer_reads() -> None:
     with pytest.raises(PlanError, match="returns while"):
         verify(_drop_sync("allgather", 1), world_size=2, count=6)
+
+
+@pytest.mark.parametrize("collective", ["allgather", "alltoall"])
+def test_cma_copies_its_own_block_first_and_zerocopy_in_rank_order(collective: str) -> None:
+    # Measured orders (zerocopy.sources): through process_vm_readv every rank starting on
+    # rank 0's buffer was slower; from shared memory it was faster.
+    n = 4
+
+    def owners(name: str, rank: int) -> list[int]:
+        plan = plan_call(registry.get(collective, name), n, 8, 100)
+        copies = [s for s in plan.tail.programs[rank] if s.count and s.a is not None and s.dst is not None]
+        return [rank if s.a.rank is None else s.a.rank for s in copies]
+
+    for rank in range(n):
+        assert owners("cma", rank) == [(rank + k) % n for k in range(n)]
+        assert owners("zerocopy", rank) == list(range(n))
