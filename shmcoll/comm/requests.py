@@ -40,6 +40,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from shmcoll import config
+from shmcoll.engine.cpu import OK
+
 Runtime = Any  # comm.runtime.Runtime
 
 log = logging.getLogger("shmcoll")
@@ -53,7 +56,6 @@ _GRACE_S = 0.00005
 _ACTIVE_S = 0.005
 _ANY_DONE = threading.Condition()
 _ANY_WAITERS = [0]  # threads in wait_any (completions notify _ANY_DONE only if there are some)
-_CALLBACKS = threading.Lock()  # guards Request._callbacks against a completion in another thread
 
 
 class Waiter(Protocol):
@@ -69,12 +71,15 @@ class Request:
     returns True): do not read an output or write an input before then.
     """
 
-    __slots__ = ("_queue", "_bound", "_timeout", "_state", "_result", "_error", "what", "_since", "_callbacks")
+    __slots__ = ("_queue", "_bound", "_timeout", "_state", "_result", "_error", "what", "_since", "_callbacks", "_lean")
 
-    def __init__(self, queue: Waiter, bound: Any, timeout: float | None, what: str, since: float) -> None:
+    def __init__(
+        self, queue: Waiter, bound: Any, timeout: float | None, what: str, since: float, lean: Any = None
+    ) -> None:
         self._queue = queue
         self._since = since
         self._bound = bound
+        self._lean = lean  # (entry point, record address, record): see Queue._run
         self._timeout = timeout
         self._state = _PENDING
         self._result: Any = None
@@ -104,7 +109,8 @@ class Request:
         thread that completes it (the progress thread, or a waiter that ran it), outside every
         lock. For collective requests (the queue's); the torch backend completes its futures so.
         """
-        with _CALLBACKS:
+        # (the Queue's lock: Queue._run completes a request under it)
+        with self._queue._lock:  # type: ignore[attr-defined]
             if self._state != _DONE:
                 if self._callbacks is None:
                     self._callbacks = []
@@ -156,9 +162,9 @@ class Queue:
         self._fast = False
 
     # --- submitting ---------------------------------------------------------------------------
-    def submit(self, bound: Any, timeout: float | None, what: str) -> Request:
+    def submit(self, bound: Any, timeout: float | None, what: str, lean: Any = None) -> Request:
         now = time.monotonic()
-        req = Request(self, bound, timeout, what, now)
+        req = Request(self, bound, timeout, what, now, lean)
         with self._lock:
             self._active_until = now + _ACTIVE_S
             if self._thread is None:
@@ -171,6 +177,21 @@ class Queue:
             if self._idle:
                 self._work.notify()
         return req
+
+    def restart(self, req: Request, bound: Any) -> None:
+        """Start a completed request again on ``bound`` (a persistent request's; the caller
+        checked that it is done): :meth:`submit` without making a request."""
+        now = time.monotonic()
+        req._since = now
+        req._bound = bound
+        req._result = req._error = None
+        req._state = _PENDING
+        with self._lock:
+            self._active_until = now + _ACTIVE_S
+            self._items.append(req)
+            self.pending += 1
+            if self._idle:
+                self._work.notify()
 
     # --- running ------------------------------------------------------------------------------
     def _take(self) -> Request | None:
@@ -186,13 +207,26 @@ class Queue:
 
     def _run(self, req: Request) -> None:
         """Run ``req`` (the caller took it with :meth:`_take`) and announce its completion."""
+        rt = self._rt
+        lean = req._lean
         try:
-            req._result = self._rt._run(req._bound, req._timeout, True)
+            if lean is not None and rt._nested_owner is None and rt._broken is None:
+                # The blocking call's lean path (Runtime._again), for a call that has one: the
+                # run loop, numba's dispatch and the unboxing of three arrays cost 0.3 us here.
+                st = lean[0](lean[1])
+                b = req._bound
+                if st != OK:
+                    limit = rt._timeout if req._timeout is None else config.timeout_s(req._timeout)
+                    rt._wait_or_raise(st, b[0], b[1], b[2], limit)
+                req._result = b[3]
+            else:
+                req._result = rt._run(req._bound, req._timeout, True)
         except BaseException as exc:  # noqa: BLE001  (handed to whoever waits)
             req._error = exc
         req._bound = None  # its buffers are the caller's again
         with self._lock:
-            req._state = _DONE
+            req._state = _DONE  # (a callback added from now on runs at once: Request._on_done)
+            callbacks, req._callbacks = req._callbacks, None
             self._running = False
             self._runner = 0
             self.pending -= 1
@@ -200,8 +234,6 @@ class Queue:
                 self._done.notify_all()
             if self._items and self._idle:
                 self._work.notify()
-        with _CALLBACKS:  # (after _DONE: a callback added from now on runs at once)
-            callbacks, req._callbacks = req._callbacks, None
         if callbacks is not None:
             for fn in callbacks:
                 try:
@@ -265,6 +297,8 @@ class Queue:
                         self._waiters -= 1
                     continue
             self._run(mine)
+            if mine is req:  # (done: no need to take the lock again to see it)
+                return
 
     def drain(self) -> None:
         """Wait until every started operation has completed (before a call that must run alone).

@@ -31,6 +31,7 @@ import numpy as np
 import psutil
 
 from shmcoll import collectives, config, jit
+from shmcoll.collectives import KIND_CODE
 from shmcoll.comm import calls, failures
 from shmcoll.comm.calls import Bound, Call
 from shmcoll.comm.requests import Queue, Request
@@ -320,8 +321,13 @@ class Runtime:
             write_word(self._state, engine.S_NESTED, 0)
 
     # --- the run loop -------------------------------------------------------------------------
-    def _start(self, b: Bound, timeout: float | None, what: str) -> Request:
-        """A nonblocking call: queue it for the progress thread; returns its request."""
+    def _start(self, b: Bound, timeout: float | None, what: str, lean: Any = None) -> Request:
+        """A nonblocking call: queue it for the progress thread; returns its request.
+
+        ``lean`` is the call's way into the engine without the run loop (``bind.lean_run``: a
+        persistent request's own); a call the binder remembered and promoted (an ``i``-form in
+        a loop) takes its lean record, so that the queue enters the engine as the blocking
+        call's lean path does."""
         if timeout is not None:
             config.timeout_s(timeout)
         self._check_usable()
@@ -330,7 +336,11 @@ class Runtime:
         progress = self._progress
         if progress is None:
             progress = self._progress = Queue(self)
-        return progress.submit(b, timeout, what)
+        if lean is None and type(b) is tuple:
+            m = self._lean[KIND_CODE[b[0].kind]]
+            if m is not None and len(m) > 9 and m[9] is b:
+                lean = (m[7], m[8], m[10])
+        return progress.submit(b, timeout, what, lean)
 
     def _run(self, b: Bound, timeout: float | None, queued: bool = False) -> Any:
         """Run one bound call to its end (or raise); returns what the method returns.

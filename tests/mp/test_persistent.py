@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import numpy as np
 import pytest
 
@@ -102,3 +106,68 @@ def _rules(comm):  # type: ignore[no-untyped-def]
 def test_persistent_request_rules(pools) -> None:  # type: ignore[no-untyped-def]
     n = 2
     assert pools.get(n).run(_rules) == [([True] * 6, [float(n**2)] * 10)] * n
+
+
+def _restarts(comm):  # type: ignore[no-untyped-def]
+    # A start after the first reuses the request (Queue.restart): it must still queue behind
+    # operations started before it, see new input, and refuse a closed communicator.
+    sub = comm.split(0)
+    x = np.zeros(5, np.int64)
+    req = sub.allreduce_init(x, out=np.empty(5, np.int64))
+    got, requests = [], []
+    for k in range(4):
+        x[...] = k + sub.rank
+        before = sub.iallgather(np.full(2, k, np.int64))  # started first: must complete first
+        req.start()
+        requests.append(req._active)
+        got.append((req.wait().tolist(), before.done, before.wait().reshape(-1).tolist()))
+    assert all(r is requests[0] for r in requests)  # (the restart path was taken)
+    sub.close()
+    try:
+        req.start()
+        refused = False
+    except shmcoll.ShmcollError as exc:
+        refused = "closed" in str(exc)
+    return got, refused
+
+
+def test_restarted_requests_keep_their_order_and_refuse_a_closed_communicator(pools) -> None:  # type: ignore[no-untyped-def]
+    n = 3
+    results = pools.get(n).run(_restarts)
+    for got, refused in results:
+        assert refused
+        for k, (total, before_done, gathered) in enumerate(got):
+            assert total == [n * k + sum(range(n))] * 5
+            assert before_done and gathered == [k] * (2 * n)
+
+
+def _killed_during_restarts(comm, path):  # type: ignore[no-untyped-def]
+    x = np.ones(1 << 14, np.float32)
+    req = comm.allreduce_init(x)
+    req.start()
+    req.wait()  # the next starts reuse the request and enter the engine through the lean record
+    comm.barrier()
+    if comm.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    kinds = []
+    for _ in range(3):
+        try:
+            req.start()
+            req.wait()
+            kinds.append("ok")
+        except shmcoll.ShmcollError as exc:
+            kinds.append(type(exc).__name__)
+    with open(f"{path}.{comm.rank}", "w") as f:
+        f.write(repr((kinds, time.monotonic() - t0)))
+
+
+def test_a_peer_killed_between_restarts_fails_every_wait_within_seconds(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = str(tmp_path / "r")
+    with pytest.raises(shmcoll.SpawnError):
+        shmcoll.spawn(_killed_during_restarts, 3, args=(path,), timeout=120)
+    for rank in (0, 1):
+        with open(f"{path}.{rank}") as f:
+            kinds, elapsed = eval(f.read())  # noqa: S307  (a repr we wrote)
+        assert kinds[0] == "PeerLostError" and set(kinds[1:]) <= {"PeerLostError", "CommunicatorBrokenError"}, kinds
+        assert elapsed < 5.0
