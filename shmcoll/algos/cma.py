@@ -1,34 +1,42 @@
-"""``cma``: cross-memory attach; each rank copies what it needs straight out of its peers' buffers.
+"""``cma``: cross-memory attach; ranks copy straight between their peers' buffers and their own.
 
 The rings copy every byte twice: the sender into a slot, the receiver out of it. With
-cross-memory attach (``process_vm_readv``, see :mod:`shmcoll.shm.cma`) the kernel copies from a
-peer's own buffer, ordinary numpy memory included, into the caller's: one copy, and the ranks
-copy at the same time. The plans are :mod:`~shmcoll.algos.zerocopy`'s copy plans (regions on
-other ranks, dissemination syncs of zero-byte messages, the same three safety rules, checked by
-the verifier); only the way the engine reaches a peer's region differs: each rank publishes its
-buffers' addresses when it enters the call, and a copy from a peer's region is one system call
-(``ir.PEERS_CMA``).
+cross-memory attach (``process_vm_readv`` and ``process_vm_writev``, see :mod:`shmcoll.shm.cma`)
+the kernel copies between a peer's own buffer, ordinary numpy memory included, and the caller's:
+one copy, and the ranks copy at the same time. The plans use :mod:`~shmcoll.algos.zerocopy`'s
+means (regions on other ranks, dissemination syncs of zero-byte messages, safety rules checked
+by the verifier's vector clocks); each rank publishes its buffers' addresses when it enters the
+call, and a copy from or into a peer's region is one system call (``ir.PEERS_CMA``).
 
-**broadcast**: every rank copies the root's buffer. **allgather**, **gather**: every rank (the
-root) copies each peer's input into its block. **alltoall**: rank ``r`` copies block ``r`` of
-every input. **scatter**: rank ``r`` copies block ``r`` of the root's input.
+**broadcast**: every rank reads the root's buffer. **scatter**: rank ``r`` reads block ``r`` of
+the root's input. **allgather**: every rank writes its input into its block of every peer's
+output. **gather**: every rank writes its input into its block of the root's. **alltoall**: rank
+``r`` writes block ``j`` of its input into block ``r`` of rank ``j``'s output (in place, from a
+copy in scratch made before its first sync). Where every rank sends to every peer, writing beat
+reading (two processes exchanging 1 MiB each with ``process_vm_writev``
+took 126-157 us against 165-167 for ``process_vm_readv``, 4 ranks 355-387 against 443-446; the
+data a rank just produced is in its own cache, where a reader must fetch it from another core's),
+and it made gather a parallel copy instead of the root's alone. Writers start at their next
+rank and go around (:func:`_around`), so no two write into one peer at once. A write into a
+peer must follow the peer's entry (a sync), and the peer returns only after a sync that follows
+every write into it; ``shmcoll bench -a cma`` (out of place): allgather at 2 ranks, 2 MiB, 204-234
+us reading in rank order, 168 reading around, 122 writing around; at 4 ranks 463, 406, 293.
 
-Rounds: 2 syncs (3 for alltoall) of ``ceil(log2 n)`` zero-byte rounds each. Bytes through the
-rings: none. Memory traffic per rank: it reads what it needs once and writes its output once.
+Rounds: 2 syncs of ``ceil(log2 n)`` zero-byte rounds each. Bytes through the rings: none. Memory
+traffic per rank: it reads what it sends once and each output byte is written once.
 Constraints: only copies (a reduction would need the peer's data in this process first, which
 is what the rings do); cross-memory attach must be permitted (``Query.cma``). ``auto`` weighs it
 only from :func:`auto_from` on (a system call per block and the syncs cost what the cost model
-does not see), not for broadcasts from 1 to 16 MiB (see :func:`_broadcast_skips`), and never
-for gather (see there), with the model or the tune table's measurements; asked for by name it
-serves any size.
+does not see), not for broadcasts from 1 to 16 MiB (see :func:`_broadcast_skips`), with the
+model or the tune table's measurements; asked for by name it serves any size.
 
 ``auto`` cannot tell in place from out of place here: in place is per rank, and every rank of a
 call must choose the same algorithm (``select.choose`` decides on the out-of-place query). Two
-measured cases would want a rule on it: an in-place alltoall goes through scratch behind a third
-sync and was slower than ``direct`` at every size (2 ranks: 32 KiB 5.94 against 3.35 us, 16 MiB
-1182 against 1110; 4 ranks: 16 MiB 4419 against 3470), and an in-place broadcast at 2 ranks and
-1 MiB took 88 us against 47-51 out of place (the root's own copy, made while the others read
-its buffer, brings that buffer nearer to them: a 1 MiB effect on this machine, gone from 2 MiB).
+measured cases would want a rule on it: an in-place alltoall copies its blocks to scratch first
+and was slower than ``direct`` at every size (2 ranks: 32 KiB 5.21 against 3.33 us, 8 MiB 611
+against 559; 4 ranks: 16 MiB 4143 against 3390), and an in-place broadcast at 2 ranks and 1 MiB
+took 88 us against 47-51 out of place (the root's own copy, made while the others read its
+buffer, brings that buffer nearer to them: a 1 MiB effect on this machine, gone from 2 MiB).
 For broadcast, where in place is the common call, the sizes where it loses are left to the
 rings (:func:`_broadcast_skips`); an in-place alltoall is rare, and runs cma like the others.
 """
@@ -50,12 +58,20 @@ def auto_from(world_size: int) -> int:
 
 
 def _blocks_from(world_size: int) -> int:
-    """:func:`auto_from` for allgather and alltoall, where every rank copies a block from every
+    """:func:`auto_from` for allgather and alltoall, where every rank copies a block to every
     peer at once: 32 KiB at 2 ranks (32 KiB: alltoall 3.18 against 3.64 us for ``direct``,
-    allgather 2.99 against 3.03 for ``ring``; 16 KiB: cma 0.2-0.5 us slower), 512 KiB above (at 4
-    ranks, 512 KiB: alltoall 88 against 141 us for ``direct``, allgather 80 against 100 us for
-    ``ring``; 256 KiB within 10% either way)."""
-    return 32 << 10 if world_size <= 2 else 512 << 10
+    allgather 2.99 against 3.03 for ``ring``; 16 KiB: cma 0.2-0.5 us slower), 256 KiB above (at
+    4 ranks, 256 KiB, since the plans write into their peers: allgather 33 against 46-52 us for
+    the others, alltoall 35 against 53 for ``direct``; 64 KiB: cma 1.3x slower)."""
+    return 32 << 10 if world_size <= 2 else 256 << 10
+
+
+def _gather_from(world_size: int) -> int:
+    """:func:`auto_from` for gather, since every rank writes its block into the root's output
+    at once (when the root read them, alone, cma lost to ``direct`` everywhere): 128 KiB at 2
+    ranks (256 KiB: 8.0 against 13.1 us for ``direct``, 1 MiB 14.5 against 68; 64 KiB a tie),
+    1 MiB above (4 ranks: 63 against 71 us, 4 MiB 223 against 354; 256 KiB: 18 against 16)."""
+    return 128 << 10 if world_size <= 2 else 1 << 20
 
 
 def _broadcast_from(world_size: int) -> int:
@@ -63,10 +79,6 @@ def _broadcast_from(world_size: int) -> int:
     against 3.15-3.51 for the rings; in place 2.71 against 2.68-2.71, a tie; 16 KiB: cma
     0.1-0.4 us slower), :func:`auto_from` above."""
     return 32 << 10 if world_size <= 2 else auto_from(world_size)
-
-
-def _never(world_size: int) -> int:
-    return 1 << 62
 
 
 def _permitted(query: Query) -> str | None:
@@ -99,25 +111,60 @@ def broadcast(ctx: Context) -> None:
     zerocopy.broadcast(ctx)
 
 
+def _around(r: int, n: int) -> list[int]:
+    """The peers rank ``r`` writes to, in order: ``r + 1``, ``r + 2``, ... around the world, so
+    that no two ranks write into the same peer at once (all starting at rank 0 was measured
+    slower: allgather at 4 ranks, 16 MiB, 3493 against 3030 us, when the plans still read)."""
+    return [(r + k) % n for k in range(1, n)]
+
+
 @register("allgather", "cma", piece=_whole, supports=_permitted, auto_from=_blocks_from)
 def allgather(ctx: Context) -> None:
-    """Every rank copies every input into its block, its own first (see ``zerocopy.sources``)."""
-    zerocopy.copy_allgather(ctx, own_first=True)
+    """Every rank copies its input into its own block, then writes it into every peer's."""
+    n, count = ctx.world_size, ctx.count
+    zerocopy.sync(ctx)
+    for r in range(n):
+        mine = Region(Buf.OUT, r * ctx.block)
+        if not ctx.inplace:
+            ctx.copy(r, Region(Buf.IN, 0), mine, count)
+        for j in _around(r, n):
+            ctx.copy(r, Region(Buf.IN, 0), Region(Buf.OUT, r * ctx.block, rank=j), count)
+    zerocopy.sync(ctx)
 
 
-# Not for auto: the root alone copies every block, where the rings share the copying between
-# the senders and the root; measured slower than direct at 2 and 4 ranks from 1 to 64 MiB.
-@register("gather", "cma", piece=_whole, supports=_permitted, auto_from=_never)
+@register("gather", "cma", piece=_whole, supports=_permitted, auto_from=_gather_from)
 def gather(ctx: Context) -> None:
-    """The root copies every rank's input into its block."""
-    zerocopy.gather(ctx)
+    """Every rank writes its input into its block of the root's output (the root copies its own
+    unless in place)."""
+    n, root, count = ctx.world_size, ctx.root, ctx.count
+    zerocopy.sync(ctx)
+    for r in range(n):
+        if r != root:
+            ctx.copy(r, Region(Buf.IN, 0), Region(Buf.OUT, r * ctx.block, rank=root), count)
+        elif not ctx.inplace:
+            ctx.copy(r, Region(Buf.IN, 0), Region(Buf.OUT, r * ctx.block), count)
+    zerocopy.sync(ctx)
 
 
 @register("alltoall", "cma", piece=_whole, supports=_permitted, auto_from=_blocks_from)
 def alltoall(ctx: Context) -> None:
-    """Rank ``r`` copies block ``r`` of every input (through scratch when in place), its own
-    first (see ``zerocopy.sources``)."""
-    zerocopy.copy_alltoall(ctx, own_first=True)
+    """Rank ``r`` writes block ``j`` of its input into block ``r`` of rank ``j``'s output. In
+    place, peers write into the very buffer this rank sends from: it copies its blocks into
+    scratch before its first sync, and sends from there."""
+    n, count = ctx.world_size, ctx.count
+    staging = ctx.tmp(n * count) if ctx.inplace else None
+    for r in range(n):
+        if staging is not None:
+            for j in _around(r, n):
+                ctx.copy(r, Region(Buf.IN, j * ctx.block), Region(Buf.TMP, staging.off + j * count), count)
+    zerocopy.sync(ctx)
+    for r in range(n):
+        if staging is None:
+            ctx.copy(r, Region(Buf.IN, r * ctx.block), Region(Buf.OUT, r * ctx.block), count)
+        for j in _around(r, n):
+            src = Region(Buf.IN, j * ctx.block) if staging is None else Region(Buf.TMP, staging.off + j * count)
+            ctx.copy(r, src, Region(Buf.OUT, r * ctx.block, rank=j), count)
+    zerocopy.sync(ctx)
 
 
 @register("scatter", "cma", piece=_whole, supports=_permitted, auto_from=auto_from)

@@ -138,32 +138,13 @@ def gather(ctx: Context) -> None:
     sync(ctx)
 
 
-def sources(r: int, n: int, own_first: bool) -> list[int]:
-    """The ranks whose blocks rank ``r`` copies, in the order it copies them: ``0, 1, ...``, or
-    with ``own_first`` its own, then ``r + 1``, ``r + 2``, ... around the world (cma's order).
-
-    The orders suit different copies (``shmcoll bench --out-of-place`` on the 2-core machine,
-    medians of 20-30 calls): from shared memory (zerocopy), every rank reading rank 0's block at
-    once is faster (one fetch from memory serves every reader; allgather at 4 ranks, 16 MiB:
-    2134-2199 us in rank order against 2384-2713 rotated); through ``process_vm_readv`` (cma),
-    where the kernel pins each source page for its reader, rotated is faster (allgather at 2
-    ranks, 2 MiB: 168 against 204-234 us; 4 MiB 340-355 against 381-431; at 4 ranks 2 MiB 406
-    against 463, 16 MiB 3030 against 3493)."""
-    return [(r + k) % n for k in range(n)] if own_first else list(range(n))
-
-
 @register("allgather", "zerocopy", piece=_whole, supports=_registered)
 def allgather(ctx: Context) -> None:
     """Every rank copies every input into its block."""
-    copy_allgather(ctx, own_first=False)
-
-
-def copy_allgather(ctx: Context, own_first: bool) -> None:
-    """allgather's copies (zerocopy's and cma's), in the order of :func:`sources`."""
     n, count = ctx.world_size, ctx.count
     sync(ctx)
     for r in range(n):
-        for j in sources(r, n, own_first):
+        for j in range(n):
             if j != r or not ctx.inplace:
                 ctx.copy(r, _mine_or(r, j, Buf.IN, 0), Region(Buf.OUT, j * ctx.block), count)
     sync(ctx)
@@ -171,19 +152,13 @@ def copy_allgather(ctx: Context, own_first: bool) -> None:
 
 @register("alltoall", "zerocopy", piece=_whole, supports=_registered)
 def alltoall(ctx: Context) -> None:
-    """Rank ``r`` copies block ``r`` of every input."""
-    copy_alltoall(ctx, own_first=False)
-
-
-def copy_alltoall(ctx: Context, own_first: bool) -> None:
-    """alltoall's copies (zerocopy's and cma's), in the order of :func:`sources`. In place, a
-    block a peer still has to read is this rank's own input: gather into scratch, sync, then
-    write the output."""
+    """Rank ``r`` copies block ``r`` of every input. In place, a block a peer still has to read
+    is this rank's own input: gather into scratch, sync, then write the output."""
     n, count = ctx.world_size, ctx.count
     staging = ctx.tmp(n * count) if ctx.inplace else None
     sync(ctx)
     for r in range(n):
-        for j in sources(r, n, own_first):
+        for j in range(n):
             src = _mine_or(r, j, Buf.IN, r * ctx.block)
             if staging is None:
                 ctx.copy(r, src, Region(Buf.OUT, j * ctx.block), count)

@@ -189,14 +189,14 @@ def fail_placement(rt: Runtime, call: Call) -> None:
 
 
 def fail_read(rt: Runtime, call: Call) -> None:
-    """A cma call's ``process_vm_readv`` of a peer's buffer failed: the peer is gone (then say
-    so), or the kernel refused this pair what the start-up probe allowed."""
+    """A cma call's ``process_vm_readv`` or ``process_vm_writev`` of a peer's buffer failed: the
+    peer is gone (then say so), or the kernel refused this pair what the start-up probe allowed."""
     peer = int(rt._state[engine.S_ERR_PEER])
     if rt._arena.peer_status(peer) in ("dead", "exited", "failed"):
         fail_peer_lost(rt, call, peer, rt._arena.peer_status(peer))
     msg = (
-        f"rank {rt._rank}: {call_text(rt, call)}: could not read rank {peer}'s buffer with "
-        f"process_vm_readv (cross-memory attach; the kernel refused it for this pair of processes, "
+        f"rank {rt._rank}: {call_text(rt, call)}: could not reach rank {peer}'s buffer with "
+        f"process_vm_readv/writev (cross-memory attach; the kernel refused it for this pair of processes, "
         f"e.g. ranks of different users or a process that is not dumpable). Set SHMCOLL_CMA=0 "
         f"to move data through shared memory only"
     )

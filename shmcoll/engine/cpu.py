@@ -57,7 +57,8 @@ in a different call is reported as ``MISMATCH`` with its tag, instead of mixing 
 Over ``comm.alloc`` buffers (``PEERS_REGISTERED``) the engine got the whole allocation and places
 them with the call's shifts and strides; over ordinary buffers (``PEERS_CMA``) a rank writes its
 call's buffer addresses into its rank record when it enters the call, and a copy from a peer's
-region is one ``process_vm_readv`` (:func:`_read_peer`; a refusal is ``READ_FAILED``).
+region is one ``process_vm_readv`` (:func:`_read_peer`), a copy into one a ``process_vm_writev``
+(:func:`_write_peer`); a refusal either way is ``READ_FAILED``.
 
 A started call then checks the abort word and every peer's liveness word (``shm/liveness``):
 a peer the kernel has marked dead fails the call at once (``PEER_DEAD``), even when this rank
@@ -120,6 +121,7 @@ from shmcoll.shm.atomics import (
     store_release,
     store_seqcst,
     vm_read,
+    vm_write,
 )
 from shmcoll.shm.layout import (
     AB_CODE,
@@ -159,7 +161,7 @@ ABORTED = 2
 MISMATCH = 3
 BUSY = 4  # another thread is in a call on this communicator: nothing was done
 PEER_DEAD = 5  # a peer's liveness word says it died (S_ERR_PEER): nothing was done
-READ_FAILED = 6  # cross-memory attach could not read a peer's buffer (S_ERR_PEER, S_ERR_STEP)
+READ_FAILED = 6  # cross-memory attach could not read or write a peer's buffer (S_ERR_PEER, S_ERR_STEP)
 
 # Engine state: one int64 array per communicator, written by Python at set-up and by the engine.
 (
@@ -310,6 +312,24 @@ def _read_peer(prog, row, base, dst, doff, item, ctrl, state):  # type: ignore[n
 
 
 @jit
+def _write_peer(prog, row, base, src, soff, item, ctrl, state):  # type: ignore[no-untyped-def]
+    """A cma plan's copy from our buffer into a peer's: one ``process_vm_writev`` to the address
+    the peer published when it entered the call (the plan writes only after a sync that follows
+    the peer's entry, and the peer leaves only after a sync that follows the write)."""
+    which = prog[row, C_D_BUF]
+    owner = (which >> 2) - 1
+    record = state[S_RANK_WORD] + (owner - state[S_RANK]) * RANK_WORDS
+    start = ctrl[record + (R_IN_ADDR if (which & 3) == _IN else R_OUT_ADDR)]
+    remote = start + (prog[row, C_D_OFF] + base) * item
+    local = src.ctypes.data + soff * item
+    if not vm_write(ctrl[record + R_PID], local, remote, prog[row, C_COUNT] * item):
+        state[S_ERR_PEER] = owner
+        state[S_ERR_STEP] = row
+        return READ_FAILED
+    return OK
+
+
+@jit
 def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no-untyped-def]
     flags = prog[row, C_OP]
     count = prog[row, C_COUNT]
@@ -423,6 +443,10 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
                 copy(data, out_off, dst, doff, store, x, xoff, count)
             elif (a_which >> 2) != 0 and prog[0, HD_REGISTERED] == PEERS_CMA:
                 st = _read_peer(prog, row, base, dst, doff, item, ctrl, state)
+                if st != OK:
+                    return st
+            elif (d_which >> 2) != 0 and prog[0, HD_REGISTERED] == PEERS_CMA:
+                st = _write_peer(prog, row, base, x, xoff, item, ctrl, state)
                 if st != OK:
                     return st
             elif store:

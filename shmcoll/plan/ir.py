@@ -35,12 +35,13 @@ current piece (the engine adds the piece's base); TMP offsets are not (pieces re
 
 A region may name **another rank's** IN or OUT (``Region(Buf.IN, off, rank=p)``): with
 registered buffers (``comm.alloc``) every rank maps every rank's buffer, and zero-copy plans read
-peers' data in place instead of receiving it through slots. Steps only ever *write* the rank's
-own buffers. The encoding packs the owner into the buffer code (``buf + 4 (owner + 1)``, owner
--1 for the rank itself). Such a plan is marked registered in its header, and the engine then
-places IN and OUT regions with the call's shifts and strides from its state: where the call's
-buffer starts within each rank's region, and the distance between two ranks' regions. One plan
-thus serves any registered buffers of the same shape.
+peers' data in place instead of receiving it through slots; over ordinary buffers cma's plans
+reach them with cross-memory attach. A step writes a peer's buffer only as a plain copy of its
+own data (cma's ``process_vm_writev``). The encoding packs the owner into the buffer code
+(``buf + 4 (owner + 1)``, owner -1 for the rank itself). Such a plan is marked registered in its
+header, and the engine then places IN and OUT regions with the call's shifts and strides from
+its state: where the call's buffer starts within each rank's region, and the distance between
+two ranks' regions. One plan thus serves any registered buffers of the same shape.
 """
 
 from __future__ import annotations
@@ -169,7 +170,11 @@ class Step:
         if self.recv is None and self.send is None and self.dst is None:
             raise ValueError("a step must receive, send or store")
         if self.dst is not None and self.dst.rank is not None:
-            raise ValueError("a step may only write its own rank's buffers")
+            # A copy into a peer's buffer (cma's process_vm_writev, a store into a peer's
+            # comm.alloc region): from this rank's own buffer, and nothing else in the step.
+            plain = self.recv is None and self.send is None and not self.reduce
+            if not plain or self.a is None or self.a.rank is not None:
+                raise ValueError("a step may write a peer's buffer only by copying its own data there")
 
     @property
     def flags(self) -> int:

@@ -127,42 +127,56 @@ class _Rank:
 
 
 class _Clocks:
-    """Vector clocks and per-element access records: the race check for remote reads.
+    """Vector clocks and per-element access records: the race check for peers' regions.
 
     A rank's clock ticks at every step; a message carries its sender's clock and the receiver
     takes the element-wise maximum. Reading element ``e`` of rank ``p``'s buffer from rank ``q``
-    is safe only if ``p``'s last write of ``e`` happened before (``q``'s clock has seen it); the
+    is safe only if the last write of ``e`` happened before (``q``'s clock has seen it); the
     user's data counts as written when ``p`` enters the call (its first step), since before that
-    ``p`` may still be filling it. ``p`` may write ``e`` again, or return from the call (after
-    which the user may), only after every such read happened before.
+    ``p`` may still be filling it. ``e`` may be written again, or ``p`` return from the call
+    (after which the user may write it), only after every such read happened before.
+
+    Writing ``e`` of ``p``'s buffer from ``q`` (cma's copies into a peer's buffer) is safe only
+    if every earlier access of ``e`` happened before: ``p``'s entry (until then the buffer is the
+    user's), every read of it, ``p``'s own reads included, and its last write; and ``p`` may
+    read ``e``, or return, only after the write happened before.
     """
 
     def __init__(self, world_size: int) -> None:
         self.vc = [[0] * world_size for _ in range(world_size)]
-        self.writes: dict[tuple[int, int], tuple[int, int]] = {}  # (storage id, index) -> (owner, clock)
-        self.reads: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # -> [(reader, clock, owner)]
+        # (storage id, index) -> (writer, clock, owner); -> [(reader, clock, owner)]
+        self.writes: dict[tuple[int, int], tuple[int, int, int]] = {}
+        self.reads: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
 
     def read(self, reader: int, owner: int, storage: list[Value], start: int, count: int, where: str) -> None:
         sid = id(storage)
         for i in range(start, start + count):
-            w_owner, w_clock = self.writes.get((sid, i), (owner, 1))
-            if self.vc[reader][w_owner] < w_clock:
+            w_writer, w_clock, _ = self.writes.get((sid, i), (owner, 1, owner))
+            if self.vc[reader][w_writer] < w_clock:
                 raise PlanError(
-                    f"{where}: reads rank {owner}'s element {i} before rank {w_owner}'s write of it "
+                    f"{where}: reads rank {owner}'s element {i} before rank {w_writer}'s write of it "
                     f"(clock {w_clock}) happened before: missing synchronisation"
                 )
             self.reads.setdefault((sid, i), []).append((reader, self.vc[reader][reader], owner))
 
-    def write(self, writer: int, storage: list[Value], start: int, count: int, where: str) -> None:
+    def write(self, writer: int, owner: int, storage: list[Value], start: int, count: int, where: str) -> None:
         sid = id(storage)
         for i in range(start, start + count):
             for reader, clock, _ in self.reads.pop((sid, i), ()):
                 if reader != writer and self.vc[writer][reader] < clock:
                     raise PlanError(f"{where}: overwrites element {i} while rank {reader} may still be reading it")
-            self.writes[(sid, i)] = (writer, self.vc[writer][writer])
+            last = self.writes.get((sid, i), (owner, 1, owner))
+            if last[0] != writer and self.vc[writer][last[0]] < last[1]:
+                raise PlanError(
+                    f"{where}: writes rank {owner}'s element {i} before rank {last[0]}'s "
+                    f"{'entry' if last[0] == owner and last[1] == 1 else 'write of it'} happened before: "
+                    "missing synchronisation"
+                )
+            self.writes[(sid, i)] = (writer, self.vc[writer][writer], owner)
 
     def check_return(self, rank: int, label: str) -> None:
-        """Rank ``rank`` returns: every remote read of its buffers must have happened before."""
+        """Rank ``rank`` returns: every peer's read of its buffers, and every peer's write into
+        them, must have happened before."""
         for (_, i), reads in self.reads.items():
             for reader, clock, owner in reads:
                 if owner == rank and reader != rank and self.vc[rank][reader] < clock:
@@ -170,6 +184,12 @@ class _Clocks:
                         f"{label}: rank {rank} returns while rank {reader} may still read its element "
                         f"{i}: the user could overwrite it"
                     )
+        for (_, i), (writer, clock, owner) in self.writes.items():
+            if owner == rank and writer != rank and self.vc[rank][writer] < clock:
+                raise PlanError(
+                    f"{label}: rank {rank} returns while rank {writer} may still write its element {i}: "
+                    "the user could read it unfinished"
+                )
 
 
 _Message = tuple[int, int, list[Value], frozenset[int], list[int]]  # count, tag, values, heard, clock
@@ -185,7 +205,9 @@ def _run(
 ) -> list[_Rank]:
     world_size = shape.world_size
     ranks = [_Rank(shape, r, inplace, tmp) for r in range(world_size)]
-    remote = any(reg is not None and reg.rank is not None for prog in programs for s, _ in prog for reg in (s.a, s.b))
+    remote = any(
+        reg is not None and reg.rank is not None for prog in programs for s, _ in prog for reg in (s.a, s.b, s.dst)
+    )
     clocks = _Clocks(world_size) if remote else None
     channels: dict[tuple[int, int], collections.deque[_Message]] = collections.defaultdict(collections.deque)
     if collectives.get(shape.kind).varying:
@@ -247,7 +269,7 @@ def _execute(
     def read(region: Region) -> list[Value]:
         owner = r if region.rank is None else region.rank
         storage, start = ranks[owner].locate(region, base, step.count)
-        if clocks is not None and owner != r:
+        if clocks is not None:  # (this rank's own reads too: a peer may write what it reads)
             clocks.read(r, owner, storage, start, step.count, where)
         return storage[start : start + step.count]
 
@@ -268,9 +290,10 @@ def _execute(
             vc = list(clocks.vc[r]) if clocks is not None else []
             channels[(r, step.send)].append((step.count, step.tag, list(value), frozenset(rank.heard), vc))
         if step.dst is not None:
-            storage, start = rank.locate(step.dst, base, step.count)
+            owner = r if step.dst.rank is None else step.dst.rank
+            storage, start = ranks[owner].locate(step.dst, base, step.count)
             if clocks is not None:
-                clocks.write(r, storage, start, step.count, where)
+                clocks.write(r, owner, storage, start, step.count, where)
             storage[start : start + step.count] = list(value)
     except IndexError as exc:
         raise PlanError(f"{where}: {exc}") from None

@@ -12,10 +12,11 @@ this), so all control-word traffic goes through these functions:
   acquire/release does not give (x86 reorders a store with a later load).
 - ``fetch_add``, ``compare_exchange``: sequentially consistent read-modify-writes.
 - ``cpu_pause``: the spin-loop hint (``pause`` on x86, ``yield`` on aarch64).
-- ``sched_yield``, ``futex_wait``, ``futex_wake``, ``monotonic_ns``, ``vm_read``: libc calls
-  resolved by symbol name when the machine code is loaded, so they survive numba's on-disk cache
-  (a ctypes function pointer would bake in one process's address). ``vm_read`` is cross-memory
-  attach (``process_vm_readv``): one copy straight out of another process's memory.
+- ``sched_yield``, ``futex_wait``, ``futex_wake``, ``monotonic_ns``, ``vm_read``, ``vm_write``:
+  libc calls resolved by symbol name when the machine code is loaded, so they survive numba's
+  on-disk cache (a ctypes function pointer would bake in one process's address). ``vm_read`` and
+  ``vm_write`` are cross-memory attach (``process_vm_readv``/``process_vm_writev``): one copy
+  straight out of, or into, another process's memory.
 - ``address_as_pointer``: an address (an int64 from Python) as a typed pointer, so that the
   engine can take the arrays that never change for a call shape as one table of addresses
   instead of one argument each (numba unboxes every array argument, about 55 ns each).
@@ -42,9 +43,9 @@ _MACHINE = platform.machine().lower()
 if not sys.platform.startswith("linux"):
     raise ImportError("shmcoll needs Linux (POSIX shared memory in /dev/shm and futexes)")
 if _MACHINE in ("x86_64", "amd64"):
-    SYS_FUTEX, SYS_PROCESS_VM_READV = 202, 310
+    SYS_FUTEX, SYS_PROCESS_VM_READV, SYS_PROCESS_VM_WRITEV = 202, 310, 311
 elif _MACHINE in ("aarch64", "arm64"):
-    SYS_FUTEX, SYS_PROCESS_VM_READV = 98, 270
+    SYS_FUTEX, SYS_PROCESS_VM_READV, SYS_PROCESS_VM_WRITEV = 98, 270, 271
 else:
     raise ImportError(f"shmcoll supports x86_64 and aarch64 Linux, not {_MACHINE}")
 
@@ -236,27 +237,45 @@ def futex_wake(typingctx, arr, idx):  # type: ignore[no-untyped-def]
     return sig, codegen
 
 
-@intrinsic
-def _process_vm_readv(typingctx, pid, local, remote, nbytes):  # type: ignore[no-untyped-def]
-    """One ``process_vm_readv`` of ``nbytes`` from address ``remote`` of process ``pid`` to our
-    address ``local``: the bytes copied, or -1 (the kernel's errno is not kept)."""
-    sig = types.int64(types.int64, types.int64, types.int64, types.int64)
+def _vm_syscall(number: int, name: str, doc: str):  # type: ignore[no-untyped-def]
+    """An intrinsic ``(pid, local, remote, nbytes) -> bytes copied, or -1`` making system call
+    ``number`` (``process_vm_readv`` or ``process_vm_writev``: the same arguments, one iovec
+    each side; the kernel's errno is not kept)."""
 
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        zero, one = ir.Constant(_i32, 0), ir.Constant(_i32, 1)
-        iovs = []
-        for base in (args[1], args[2]):  # struct iovec {void *base; size_t len}
-            iov = cgutils.alloca_once(builder, _TIMESPEC)
-            builder.store(base, builder.gep(iov, [zero, zero]))
-            builder.store(args[3], builder.gep(iov, [zero, one]))
-            iovs.append(builder.ptrtoint(iov, _i64))
-        one64 = ir.Constant(_i64, 1)
-        return builder.call(
-            _syscall(builder),
-            [ir.Constant(_i64, SYS_PROCESS_VM_READV), args[0], iovs[0], one64, iovs[1], one64, ir.Constant(_i64, 0)],
-        )
+    def call(typingctx, pid, local, remote, nbytes):  # type: ignore[no-untyped-def]
+        sig = types.int64(types.int64, types.int64, types.int64, types.int64)
 
-    return sig, codegen
+        def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+            zero, one = ir.Constant(_i32, 0), ir.Constant(_i32, 1)
+            iovs = []
+            for base in (args[1], args[2]):  # struct iovec {void *base; size_t len}
+                iov = cgutils.alloca_once(builder, _TIMESPEC)
+                builder.store(base, builder.gep(iov, [zero, zero]))
+                builder.store(args[3], builder.gep(iov, [zero, one]))
+                iovs.append(builder.ptrtoint(iov, _i64))
+            one64 = ir.Constant(_i64, 1)
+            return builder.call(
+                _syscall(builder),
+                [ir.Constant(_i64, number), args[0], iovs[0], one64, iovs[1], one64, ir.Constant(_i64, 0)],
+            )
+
+        return sig, codegen
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = doc
+    return intrinsic(call)
+
+
+_process_vm_readv = _vm_syscall(
+    SYS_PROCESS_VM_READV,
+    "_process_vm_readv",
+    "``process_vm_readv``: ``nbytes`` from ``remote`` in process ``pid`` to our ``local``.",
+)
+_process_vm_writev = _vm_syscall(
+    SYS_PROCESS_VM_WRITEV,
+    "_process_vm_writev",
+    "``process_vm_writev``: ``nbytes`` from our ``local`` to ``remote`` in process ``pid``.",
+)
 
 
 @jit
@@ -267,6 +286,20 @@ def vm_read(pid, local, remote, nbytes):  # type: ignore[no-untyped-def]
     done = 0
     while done < nbytes:
         got = _process_vm_readv(pid, local + done, remote + done, nbytes - done)
+        if got <= 0:
+            return False
+        done += got
+    return True
+
+
+@jit
+def vm_write(pid, local, remote, nbytes):  # type: ignore[no-untyped-def]
+    """Copy ``nbytes`` from address ``local`` in ours to address ``remote`` in process ``pid``
+    (cross-memory attach, the other way): True if every byte went; called until done, as
+    :func:`vm_read`."""
+    done = 0
+    while done < nbytes:
+        got = _process_vm_writev(pid, local + done, remote + done, nbytes - done)
         if got <= 0:
             return False
         done += got

@@ -1,17 +1,18 @@
-"""Cross-memory attach: whether this process may read its peers' memory with ``process_vm_readv``.
+"""Cross-memory attach: whether this process may reach its peers' memory (``process_vm_readv``
+and ``process_vm_writev``).
 
-The ``cma`` algorithm copies a peer's block straight out of the peer's own (ordinary numpy)
-buffer into the caller's: one copy where the rings make two. The kernel allows it only where
-ptrace would be allowed (same user, and Yama's ``ptrace_scope`` permitting it) and where no
-seccomp filter refuses the system call, as some container runtimes do. :func:`probe` decides
+The ``cma`` algorithm copies a block straight between the peers' own (ordinary numpy) buffers:
+one copy where the rings make two. The kernel allows it only where ptrace would be allowed (same
+user, and Yama's ``ptrace_scope`` permitting it) and where no seccomp filter refuses the system
+calls, as some container runtimes do. :func:`probe` decides
 once per process, before any call is planned:
 
 - ``SHMCOLL_CMA=0`` turns it off;
 - Yama's scope 1 ("restricted": only a tracer's descendants) is lifted for this process with
   ``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)``, as MPI libraries do; scope 2 or 3 refuses
   unprivileged readers, so cross-memory attach is off there;
-- a read of this process's own memory through the system call catches a seccomp refusal or a
-  kernel without it.
+- a read and a write of this process's own memory through the system calls catch a seccomp
+  refusal or a kernel without them (both are needed: cma's plans read and write).
 
 Every rank of a machine decides the same way (same kernel settings, same user), so the plans
 they choose agree. If a peer's memory is refused anyway (a process that is not dumpable, ranks
@@ -53,10 +54,15 @@ def probe() -> tuple[bool, str]:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0) != 0:
             return False, f"off: prctl(PR_SET_PTRACER) failed ({os.strerror(ctypes.get_errno())})"
-    from shmcoll.shm.atomics import vm_read
+    from shmcoll.shm.atomics import vm_read, vm_write
 
     src = np.arange(512, dtype=np.int64)
     dst = np.zeros_like(src)
     if not vm_read(os.getpid(), dst.ctypes.data, src.ctypes.data, src.nbytes) or not np.array_equal(src, dst):
         return False, "off: process_vm_readv is refused here (a seccomp filter or an old kernel)"
-    return True, "on: process_vm_readv" + (" (Yama scope 1: peers allowed with PR_SET_PTRACER)" if scope == 1 else "")
+    back = np.zeros_like(src)
+    if not vm_write(os.getpid(), src.ctypes.data, back.ctypes.data, src.nbytes) or not np.array_equal(src, back):
+        return False, "off: process_vm_writev is refused here (a seccomp filter or an old kernel)"
+    return True, "on: process_vm_readv/writev" + (
+        " (Yama scope 1: peers allowed with PR_SET_PTRACER)" if scope == 1 else ""
+    )

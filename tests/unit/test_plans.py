@@ -233,16 +233,57 @@ def test_race_check_catches_returning_while_a_peer_reads() -> None:
 
 
 @pytest.mark.parametrize("collective", ["allgather", "alltoall"])
-def test_cma_copies_its_own_block_first_and_zerocopy_in_rank_order(collective: str) -> None:
-    # Measured orders (zerocopy.sources): through process_vm_readv every rank starting on
-    # rank 0's buffer was slower; from shared memory it was faster.
+def test_cma_writes_into_its_peers_around_the_world(collective: str) -> None:
+    # Measured (cma's module doc): writing into peers' buffers beat reading from them, and
+    # ranks that all start at rank 0 were slower than ranks that start at their neighbour.
     n = 4
+    for inplace in (False, True):
+        plan = plan_call(registry.get(collective, "cma"), n, 8, 100, inplace=inplace)
+        for rank in range(n):
+            program = plan.tail.programs[rank]
+            assert all(s.a is None or s.a.rank is None for s in program)  # no reads of a peer
+            owners = [s.dst.rank for s in program if s.count and s.dst is not None and s.dst.rank is not None]
+            assert owners == [(rank + k) % n for k in range(1, n)]
 
-    def owners(name: str, rank: int) -> list[int]:
-        plan = plan_call(registry.get(collective, name), n, 8, 100)
-        copies = [s for s in plan.tail.programs[rank] if s.count and s.a is not None and s.dst is not None]
-        return [rank if s.a.rank is None else s.a.rank for s in copies]
 
-    for rank in range(n):
-        assert owners("cma", rank) == [(rank + k) % n for k in range(n)]
-        assert owners("zerocopy", rank) == list(range(n))
+def _drop_cma_sync(collective: str, which: int, inplace: bool = False):  # type: ignore[no-untyped-def]
+    plan = plan_call(registry.get(collective, "cma"), 2, 6, 100, inplace=inplace)
+    programs = []
+    for program in plan.tail.programs:
+        syncs = [i for i, s in enumerate(program) if s.count == 0]
+        drop = set(syncs[2 * which : 2 * which + 2])
+        programs.append([s for i, s in enumerate(program) if i not in drop])
+    return dataclasses.replace(plan, tail=dataclasses.replace(plan.tail, programs=programs))
+
+
+@pytest.mark.parametrize("collective", ["allgather", "gather", "alltoall"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_race_check_catches_writing_into_a_peer_too_early_or_returning_too_soon(collective: str, inplace: bool) -> None:
+    with pytest.raises(PlanError, match="entry happened before: missing synchronisation"):
+        verify(_drop_cma_sync(collective, 0, inplace), world_size=2, count=6, inplace=inplace)
+    with pytest.raises(PlanError, match="may still write its element"):
+        verify(_drop_cma_sync(collective, 1, inplace), world_size=2, count=6, inplace=inplace)
+
+
+def test_race_check_catches_a_peer_writing_what_this_rank_still_reads() -> None:
+    # In place, alltoall's ranks copy their blocks to scratch before their first sync; copied
+    # after it, a peer may already be writing into them.
+    plan = plan_call(registry.get("alltoall", "cma"), 2, 6, 100, inplace=True)
+    programs = []
+    for program in plan.tail.programs:
+        first_sync = next(i for i, s in enumerate(program) if s.count == 0)
+        staged = [s for s in program[:first_sync] if s.count]
+        assert staged
+        rest = [s for s in program if s not in staged]
+        programs.append(rest[:2] + staged + rest[2:])  # (2 ranks: a sync is one send and one receive)
+    bad = dataclasses.replace(plan, tail=dataclasses.replace(plan.tail, programs=programs))
+    with pytest.raises(PlanError, match="may still be reading|before rank 1's write of it"):
+        verify(bad, world_size=2, count=6, inplace=True)
+
+
+def test_steps_write_a_peer_only_by_copying_their_own_data() -> None:
+    with pytest.raises(ValueError, match="only by copying its own data"):
+        Step(count=4, a=Region(Buf.IN, 0, rank=1), dst=Region(Buf.OUT, 0, rank=1))
+    with pytest.raises(ValueError, match="only by copying its own data"):
+        Step(count=4, recv=1, a=Region(Buf.IN, 0), dst=Region(Buf.OUT, 0, rank=1), reduce=True)
+    Step(count=4, a=Region(Buf.IN, 0), dst=Region(Buf.OUT, 0, rank=1))
