@@ -237,7 +237,8 @@ def reset() -> None:
 # --- the decision ---------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """The algorithm auto chose, and why: ``override``, ``measured``, ``model`` or ``fallback``."""
+    """The algorithm auto chose, and why: ``override``, ``measured``, ``preferred``
+    (``Algorithm.auto_prefer``), ``model`` or ``fallback``."""
 
     algorithm: Algorithm
     reason: str
@@ -372,6 +373,10 @@ def decide(
                 best, "measured", f"{how} {_fmt(estimates[best.name])}" + (f" vs {others}" if others else "")
             )
 
+    # (Only the size and the world size: every rank decides alike.)
+    preferred = [a for a in candidates if a.auto_prefer is not None and a.auto_prefer(query.world_size, size)]
+    if preferred:
+        return Decision(preferred[0], "preferred", f"{preferred[0].name}'s measured advantage at this size")
     times = {a.name: predicted(a, size) for a in candidates}
     known = [a for a in candidates if times[a.name] is not None]
     if known:

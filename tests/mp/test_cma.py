@@ -58,6 +58,21 @@ def _large(comm, count: int) -> list[str]:  # type: ignore[no-untyped-def]
     ga = comm.gather(val(r, count), root=1 % n, algorithm="cma")
     if r == 1 % n and not all(np.array_equal(ga[j], val(j, count)) for j in range(n)):
         bad.append("gather")
+    # The reductions: int64, so that any order of combination gives exactly numpy's sum; the
+    # same bits on every rank (each chunk is combined once, by its owner).
+    total = sum(val(j, count, np.int64) for j in range(n))
+    y = np.zeros(count + 1, np.int64)[1:]  # (8 bytes in)
+    y[...] = val(r, count, np.int64)
+    comm.allreduce(y, algorithm="cma")
+    if not np.array_equal(y, total) or len({d for d in comm.allgather_object(y.tobytes())}) != 1:
+        bad.append("allreduce in place")
+    avg = comm.allreduce(val(r, count), "avg", algorithm="cma")
+    if not np.allclose(avg, sum(val(j, count, np.float64) for j in range(n)) / n, rtol=1e-6):
+        bad.append("allreduce avg")
+    blocks = np.stack([val(r + j, count, np.int64) for j in range(n)])
+    rs = comm.reduce_scatter(blocks.reshape(-1), algorithm="cma")
+    if not np.array_equal(rs, sum(val(j + r, count, np.int64) for j in range(n))):
+        bad.append("reduce_scatter")
     return bad
 
 
@@ -97,6 +112,17 @@ def test_auto_weighs_cma_only_for_large_calls() -> None:
             count = nbytes // 4 // (n if collective != "broadcast" else 1)
             picked = {choose(Query(collective, n, count, 4, inplace=ip, cma=True)).name for ip in (False, True)}
             assert len(picked) == 1, (collective, n, nbytes, picked)
+
+    # The reductions: preferred over the model from a measured size on, up to 4 ranks
+    def reduction(collective: str, n: int, nbytes: int) -> str:
+        count = nbytes // 4 // (n if collective == "reduce_scatter" else 1)
+        return decide(Query(collective, n, count, 4, cma=True), overrides="", table=None).algorithm.name
+
+    assert reduction("allreduce", 2, 32 << 10) != "cma" and reduction("allreduce", 2, 64 << 10) == "cma"
+    assert reduction("allreduce", 4, 64 << 10) != "cma" and reduction("allreduce", 4, 128 << 10) == "cma"
+    assert reduction("reduce_scatter", 2, 32 << 10) != "cma" and reduction("reduce_scatter", 2, 64 << 10) == "cma"
+    assert reduction("reduce_scatter", 4, 512 << 10) != "cma" and reduction("reduce_scatter", 4, 1 << 20) == "cma"
+    assert decide(Query("allreduce", 2, 1 << 20, 4, cma=True), overrides="", table=None).reason == "preferred"
     reason = decide(Query("allgather", 2, 4 << 20, 4, cma=False), overrides="allgather:cma", table=None)
     assert reason.algorithm.name != "cma"  # an override it cannot serve is skipped (and logged)
 
