@@ -57,8 +57,8 @@ in a different call is reported as ``MISMATCH`` with its tag, instead of mixing 
 Over ``comm.alloc`` buffers (``PEERS_REGISTERED``) the engine got the whole allocation and places
 them with the call's shifts and strides; over ordinary buffers (``PEERS_CMA``) a rank writes its
 call's buffer addresses into its rank record when it enters the call, and a copy from a peer's
-region is one ``process_vm_readv`` (:func:`_read_peer`), a copy into one a ``process_vm_writev``
-(:func:`_write_peer`); a refusal either way is ``READ_FAILED``.
+region is one ``process_vm_readv``, a copy into one a ``process_vm_writev`` (:func:`_peer_copy`);
+a refusal either way is ``READ_FAILED``.
 
 A started call then checks the abort word and every peer's liveness word (``shm/liveness``):
 a peer the kernel has marked dead fails the call at once (``PEER_DEAD``), even when this rank
@@ -120,8 +120,7 @@ from shmcoll.shm.atomics import (
     sched_yield,
     store_release,
     store_seqcst,
-    vm_read,
-    vm_write,
+    vm_copy,
 )
 from shmcoll.shm.layout import (
     AB_CODE,
@@ -282,7 +281,7 @@ def _offset(prog, state, which, off, base):  # type: ignore[no-untyped-def]
     if kind == _TMP:
         return off  # scratch is per rank and reused by every piece
     if prog[0, HD_REGISTERED] != PEERS_REGISTERED:
-        return off + base  # (a cma plan's peer regions are read by _read_peer, not through arrays)
+        return off + base  # (a cma plan's peer regions are reached by _peer_copy, not through arrays)
     # Registered buffers: the engine got the whole allocation (every rank's region); place the
     # region in its owner's one.
     owner = (which >> 2) - 1
@@ -294,35 +293,20 @@ def _offset(prog, state, which, off, base):  # type: ignore[no-untyped-def]
 
 
 @jit
-def _read_peer(prog, row, base, dst, doff, item, ctrl, state):  # type: ignore[no-untyped-def]
-    """A cma plan's copy from a peer's buffer into ours: one ``process_vm_readv`` from the
-    address the peer published when it entered the call (the plan reads it only after a sync
-    that follows the peer's entry, and the peer leaves only after a sync that follows the read)."""
-    which = prog[row, C_A_BUF]
+def _peer_copy(prog, row, base, mine, moff, item, ctrl, state, write):  # type: ignore[no-untyped-def]
+    """A cma plan's copy between our buffer ``mine`` (at element ``moff``) and a peer's region:
+    from it (the step's region A, ``process_vm_readv``) or, with ``write``, into it (region D,
+    ``process_vm_writev``), at the address the peer published when it entered the call. The
+    plan reaches a peer only after a sync that follows the peer's entry, and the peer leaves only
+    after a sync that follows the copy."""
+    which = prog[row, C_D_BUF] if write else prog[row, C_A_BUF]
+    off = prog[row, C_D_OFF] if write else prog[row, C_A_OFF]
     owner = (which >> 2) - 1
     record = state[S_RANK_WORD] + (owner - state[S_RANK]) * RANK_WORDS
     start = ctrl[record + (R_IN_ADDR if (which & 3) == _IN else R_OUT_ADDR)]
-    remote = start + (prog[row, C_A_OFF] + base) * item
-    local = dst.ctypes.data + doff * item
-    if not vm_read(ctrl[record + R_PID], local, remote, prog[row, C_COUNT] * item):
-        state[S_ERR_PEER] = owner
-        state[S_ERR_STEP] = row
-        return READ_FAILED
-    return OK
-
-
-@jit
-def _write_peer(prog, row, base, src, soff, item, ctrl, state):  # type: ignore[no-untyped-def]
-    """A cma plan's copy from our buffer into a peer's: one ``process_vm_writev`` to the address
-    the peer published when it entered the call (the plan writes only after a sync that follows
-    the peer's entry, and the peer leaves only after a sync that follows the write)."""
-    which = prog[row, C_D_BUF]
-    owner = (which >> 2) - 1
-    record = state[S_RANK_WORD] + (owner - state[S_RANK]) * RANK_WORDS
-    start = ctrl[record + (R_IN_ADDR if (which & 3) == _IN else R_OUT_ADDR)]
-    remote = start + (prog[row, C_D_OFF] + base) * item
-    local = src.ctypes.data + soff * item
-    if not vm_write(ctrl[record + R_PID], local, remote, prog[row, C_COUNT] * item):
+    remote = start + (off + base) * item
+    local = mine.ctypes.data + moff * item
+    if not vm_copy(ctrl[record + R_PID], local, remote, prog[row, C_COUNT] * item, write):
         state[S_ERR_PEER] = owner
         state[S_ERR_STEP] = row
         return READ_FAILED
@@ -442,11 +426,11 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
             if send:
                 copy(data, out_off, dst, doff, store, x, xoff, count)
             elif (a_which >> 2) != 0 and prog[0, HD_REGISTERED] == PEERS_CMA:
-                st = _read_peer(prog, row, base, dst, doff, item, ctrl, state)
+                st = _peer_copy(prog, row, base, dst, doff, item, ctrl, state, False)
                 if st != OK:
                     return st
             elif (d_which >> 2) != 0 and prog[0, HD_REGISTERED] == PEERS_CMA:
-                st = _write_peer(prog, row, base, x, xoff, item, ctrl, state)
+                st = _peer_copy(prog, row, base, x, xoff, item, ctrl, state, True)
                 if st != OK:
                     return st
             elif store:

@@ -12,11 +12,11 @@ this), so all control-word traffic goes through these functions:
   acquire/release does not give (x86 reorders a store with a later load).
 - ``fetch_add``, ``compare_exchange``: sequentially consistent read-modify-writes.
 - ``cpu_pause``: the spin-loop hint (``pause`` on x86, ``yield`` on aarch64).
-- ``sched_yield``, ``futex_wait``, ``futex_wake``, ``monotonic_ns``, ``vm_read``, ``vm_write``:
-  libc calls resolved by symbol name when the machine code is loaded, so they survive numba's
-  on-disk cache (a ctypes function pointer would bake in one process's address). ``vm_read`` and
-  ``vm_write`` are cross-memory attach (``process_vm_readv``/``process_vm_writev``): one copy
-  straight out of, or into, another process's memory.
+- ``sched_yield``, ``futex_wait``, ``futex_wake``, ``monotonic_ns``, ``vm_copy``: libc calls
+  resolved by symbol name when the machine code is loaded, so they survive numba's on-disk cache
+  (a ctypes function pointer would bake in one process's address). ``vm_copy`` is cross-memory
+  attach (``process_vm_readv``/``process_vm_writev``): one copy straight out of, or into,
+  another process's memory.
 - ``address_as_pointer``: an address (an int64 from Python) as a typed pointer, so that the
   engine can take the arrays that never change for a call shape as one table of addresses
   instead of one argument each (numba unboxes every array argument, about 55 ns each).
@@ -279,27 +279,17 @@ _process_vm_writev = _vm_syscall(
 
 
 @jit
-def vm_read(pid, local, remote, nbytes):  # type: ignore[no-untyped-def]
-    """Copy ``nbytes`` from address ``remote`` in process ``pid`` to address ``local`` in ours
-    (cross-memory attach): True if every byte came. The kernel may copy less than asked per call
-    (it stops at a page it cannot take), so it is called until done or it copies nothing."""
+def vm_copy(pid, local, remote, nbytes, write):  # type: ignore[no-untyped-def]
+    """Copy ``nbytes`` between address ``local`` in ours and address ``remote`` in process ``pid``
+    (cross-memory attach): into ours (``process_vm_readv``), or with ``write`` into theirs
+    (``process_vm_writev``). True if every byte went. The kernel may copy less than asked per
+    call (it stops at a page it cannot take), so it is called until done or it copies nothing."""
     done = 0
     while done < nbytes:
-        got = _process_vm_readv(pid, local + done, remote + done, nbytes - done)
-        if got <= 0:
-            return False
-        done += got
-    return True
-
-
-@jit
-def vm_write(pid, local, remote, nbytes):  # type: ignore[no-untyped-def]
-    """Copy ``nbytes`` from address ``local`` in ours to address ``remote`` in process ``pid``
-    (cross-memory attach, the other way): True if every byte went; called until done, as
-    :func:`vm_read`."""
-    done = 0
-    while done < nbytes:
-        got = _process_vm_writev(pid, local + done, remote + done, nbytes - done)
+        if write:
+            got = _process_vm_writev(pid, local + done, remote + done, nbytes - done)
+        else:
+            got = _process_vm_readv(pid, local + done, remote + done, nbytes - done)
         if got <= 0:
             return False
         done += got

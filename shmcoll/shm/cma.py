@@ -54,14 +54,14 @@ def probe() -> tuple[bool, str]:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0) != 0:
             return False, f"off: prctl(PR_SET_PTRACER) failed ({os.strerror(ctypes.get_errno())})"
-    from shmcoll.shm.atomics import vm_read, vm_write
+    from shmcoll.shm.atomics import vm_copy
 
     src = np.arange(512, dtype=np.int64)
     dst = np.zeros_like(src)
-    if not vm_read(os.getpid(), dst.ctypes.data, src.ctypes.data, src.nbytes) or not np.array_equal(src, dst):
+    if not vm_copy(os.getpid(), dst.ctypes.data, src.ctypes.data, src.nbytes, False) or not np.array_equal(src, dst):
         return False, "off: process_vm_readv is refused here (a seccomp filter or an old kernel)"
     back = np.zeros_like(src)
-    if not vm_write(os.getpid(), src.ctypes.data, back.ctypes.data, src.nbytes) or not np.array_equal(src, back):
+    if not vm_copy(os.getpid(), src.ctypes.data, back.ctypes.data, src.nbytes, True) or not np.array_equal(src, back):
         return False, "off: process_vm_writev is refused here (a seccomp filter or an old kernel)"
     return True, "on: process_vm_readv/writev" + (
         " (Yama scope 1: peers allowed with PR_SET_PTRACER)" if scope == 1 else ""
