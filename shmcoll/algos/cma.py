@@ -194,6 +194,18 @@ def scatter(ctx: Context) -> None:
 
 # A peer's part is read into scratch and combined at once, while it is still in this core's cache.
 _PART = 32 << 10  # elements
+# At most this many parts per chunk, so that a plan stays a bounded table (2048 steps per rank
+# at 2 ranks); larger calls (above 32 Mi elements per rank's chunk: 128 MiB of float32) are the
+# rings' (at 256 MiB cma and the ring were already tied at 2 ranks).
+_MAX_PARTS = 1024
+
+
+def _reduction_permitted(query: Query) -> str | None:
+    reason = _permitted(query)
+    chunk = -(-query.count // query.world_size) if query.collective == "allreduce" else query.count
+    if reason is None and chunk > _PART * _MAX_PARTS:
+        return f"more than {_MAX_PARTS} parts of {_PART} elements per rank: the rings serve it"
+    return reason
 
 
 def _reduce_chunk(ctx: Context, r: int, src: int, dst: int, count: int, scratch: Region) -> None:
@@ -203,8 +215,9 @@ def _reduce_chunk(ctx: Context, r: int, src: int, dst: int, count: int, scratch:
     if n == 1:
         ctx.copy(r, Region(Buf.IN, src), Region(Buf.OUT, dst), count)
         return
-    for s in range(0, count, _PART):
-        m = min(_PART, count - s)
+    part = max(_PART, -(-count // _MAX_PARTS))
+    for s in range(0, count, part):
+        m = min(part, count - s)
         here = Region(Buf.OUT, dst + s)
         for pos, j in enumerate(_around(r, n)):
             ctx.copy(r, Region(Buf.IN, src + s, rank=j), scratch, m)
@@ -213,10 +226,13 @@ def _reduce_chunk(ctx: Context, r: int, src: int, dst: int, count: int, scratch:
 
 
 def _allreduce_from(world_size: int) -> int:
-    """:func:`auto_from` for allreduce: 64 KiB at 2 ranks, 128 KiB above (measured on the 2-core
+    """:func:`auto_from` for allreduce: 64 KiB at 2 ranks, 128 KiB at 3-4 (measured on the 2-core
     machine, ``auto_vs_best.py -c allreduce``: 2 ranks 128 KiB 15.4 against 18.5 us for the best
     other algorithm, 512 KiB 51 against 70, 8 MiB 851 against 1248, 32 KiB a tie; 4 ranks 128 KiB
-    45 against 52, 512 KiB 137 against 192, 8 MiB 2217 against 2989, 32 KiB 29 against 20)."""
+    45 against 52, 512 KiB 137 against 192, 8 MiB 2217 against 2989, 32 KiB 29 against 20); not
+    above 4 ranks, where it was never measured (its plans grow as parts x peers)."""
+    if world_size > 4:
+        return 1 << 62
     return 64 << 10 if world_size <= 2 else 128 << 10
 
 
@@ -236,7 +252,7 @@ def _preferred(auto_from: Callable[[int], int]) -> Callable[[int, int], bool]:
     "allreduce",
     "cma",
     piece=_whole,
-    supports=_permitted,
+    supports=_reduction_permitted,
     auto_from=_allreduce_from,
     auto_prefer=_preferred(_allreduce_from),
 )
@@ -245,7 +261,8 @@ def allreduce(ctx: Context) -> None:
     combines it with its own; then it writes its finished chunk into every peer's output."""
     n, count = ctx.world_size, ctx.count
     chunks = split(count, n)
-    scratch = ctx.tmp(min(_PART, max(c for _, c in chunks)))
+    biggest = max(c for _, c in chunks)
+    scratch = ctx.tmp(min(max(_PART, -(-biggest // _MAX_PARTS)), biggest))
     zerocopy.sync(ctx)
     for r in range(n):
         off, c = chunks[r]
@@ -263,6 +280,8 @@ def _reduce_scatter_from(world_size: int) -> int:
     """:func:`auto_from` for reduce_scatter: 64 KiB at 2 ranks (64 KiB: 4.2 against 4.5 us for the
     rings, 512 KiB 17.8 against 31; 8 KiB: 2.3 against 1.6), 1 MiB above (4 ranks: 168 against
     182 us, 4 MiB 666 against 796; 256 KiB a tie, 64 KiB 20 against 14)."""
+    if world_size > 4:
+        return 1 << 62  # (not measured: see _allreduce_from)
     return 64 << 10 if world_size <= 2 else 1 << 20
 
 
@@ -270,7 +289,7 @@ def _reduce_scatter_from(world_size: int) -> int:
     "reduce_scatter",
     "cma",
     piece=_whole,
-    supports=_permitted,
+    supports=_reduction_permitted,
     auto_from=_reduce_scatter_from,
     auto_prefer=_preferred(_reduce_scatter_from),
 )
@@ -278,7 +297,7 @@ def reduce_scatter(ctx: Context) -> None:
     """Rank ``r`` reads block ``r`` of every peer's input into scratch, a part at a time, and
     combines it with its own into its output."""
     n, count = ctx.world_size, ctx.count
-    scratch = ctx.tmp(min(_PART, count))
+    scratch = ctx.tmp(min(max(_PART, -(-count // _MAX_PARTS)), count))
     zerocopy.sync(ctx)
     for r in range(n):
         if count:
