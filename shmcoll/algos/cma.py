@@ -239,8 +239,8 @@ def _allreduce_from(world_size: int) -> int:
 def _preferred(auto_from: Callable[[int], int]) -> Callable[[int, int], bool]:
     """``Algorithm.auto_prefer`` for the reductions: from ``auto_from`` on, up to 4 ranks, ``auto``
     runs cma without asking the cost model, which charges the copy of a peer's part into scratch
-    as a full copy and does not see that the combination then reads it from the cache. Not
-    measured above 4 ranks: the model decides there."""
+    as a full copy and does not see that the combination then reads it from the cache (above 4
+    ranks, where it was not measured, ``auto_from`` keeps them out of ``auto``)."""
 
     def prefer(world_size: int, size: int) -> bool:
         return world_size <= 4 and size >= auto_from(world_size)
