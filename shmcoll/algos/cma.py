@@ -200,6 +200,11 @@ _PART = 32 << 10  # elements
 _MAX_PARTS = 1024
 
 
+def _part(count: int) -> int:
+    """Elements per part of a chunk of ``count`` (the scratch's size, too)."""
+    return min(max(_PART, -(-count // _MAX_PARTS)), count)
+
+
 def _reduction_permitted(query: Query) -> str | None:
     reason = _permitted(query)
     chunk = -(-query.count // query.world_size) if query.collective == "allreduce" else query.count
@@ -215,7 +220,7 @@ def _reduce_chunk(ctx: Context, r: int, src: int, dst: int, count: int, scratch:
     if n == 1:
         ctx.copy(r, Region(Buf.IN, src), Region(Buf.OUT, dst), count)
         return
-    part = max(_PART, -(-count // _MAX_PARTS))
+    part = max(_part(count), 1)
     for s in range(0, count, part):
         m = min(part, count - s)
         here = Region(Buf.OUT, dst + s)
@@ -262,7 +267,7 @@ def allreduce(ctx: Context) -> None:
     n, count = ctx.world_size, ctx.count
     chunks = split(count, n)
     biggest = max(c for _, c in chunks)
-    scratch = ctx.tmp(min(max(_PART, -(-biggest // _MAX_PARTS)), biggest))
+    scratch = ctx.tmp(_part(biggest))
     zerocopy.sync(ctx)
     for r in range(n):
         off, c = chunks[r]
@@ -297,7 +302,7 @@ def reduce_scatter(ctx: Context) -> None:
     """Rank ``r`` reads block ``r`` of every peer's input into scratch, a part at a time, and
     combines it with its own into its output."""
     n, count = ctx.world_size, ctx.count
-    scratch = ctx.tmp(min(max(_PART, -(-count // _MAX_PARTS)), count))
+    scratch = ctx.tmp(_part(count))
     zerocopy.sync(ctx)
     for r in range(n):
         if count:
