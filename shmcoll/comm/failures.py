@@ -26,6 +26,7 @@ ABORT_REASONS = {
     layout.ABORT_PEER_LOST: "a peer process died",
     layout.ABORT_MISMATCH: "ranks called mismatched collectives",
     layout.ABORT_ERROR: "failed (an error on that rank, in its own code or its device work)",
+    layout.ABORT_REMOTE: "its multi-node communicator failed (over MPI, or on another node)",
 }
 
 Runtime = Any  # comm.runtime.Runtime (which imports this module)

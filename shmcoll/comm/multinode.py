@@ -71,6 +71,7 @@ from shmcoll.errors import (
     ShmcollError,
     UnsupportedError,
 )
+from shmcoll.shm import layout
 from shmcoll.types import BFLOAT16, FLOAT16, FOLD_UFUNC, ReduceOp, identity
 
 _NOTICE_TAG = 7001
@@ -326,27 +327,60 @@ class MultiNodeCommunicator:
         if notify:
             self._send_notices(kind, text, dead)
         self._broken = text
-        try:
-            self._node.abort(text)
-        except Exception:  # noqa: BLE001
-            pass
+        self._abort_node(text, kind, dead)
         if kind == "lost":
             raise PeerLostError(text, dead)
         if kind == "timeout":
             raise CollectiveTimeout(text)
         raise CommunicatorBrokenError(text)
 
+    def _abort_node(self, text: str, kind: str, dead: int | None) -> None:
+        """Abort the node communicator with this failure's story in its abort word: a node peer
+        that finds this process gone reads there why it left (its MPI notice may never arrive:
+        under ULFM a message from a process that has exited can be lost with it)."""
+        code = {"lost": layout.REMOTE_LOST, "timeout": layout.REMOTE_TIMEOUT}.get(kind, layout.REMOTE_BROKEN)
+        try:
+            self._node._abort_remote(text, code, -1 if dead is None else dead)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _from_node_story(self, what: str) -> None:
+        """Raise with the story a node peer left in the node's abort word, if one did."""
+        story = self._node._remote_story()
+        if story is None:
+            return
+        origin, code, dead = story
+        if origin == self._local:
+            return
+        teller = self._describe_rank(self._layout.nodes[self._node_index][origin])
+        if code == layout.REMOTE_LOST and 0 <= dead < self._world_size:
+            self._raise(
+                "lost",
+                f"{self._where()}: {what} failed: {self._describe_rank(dead)} died (found by {teller}, "
+                "which told this node)",
+                dead,
+            )
+        how = "timed out" if code == layout.REMOTE_TIMEOUT else "failed"
+        self._raise(
+            "timeout" if code == layout.REMOTE_TIMEOUT else "broken",
+            f"{self._where()}: {what} failed: {teller} {how} in a call across nodes (it told this node; "
+            "its own error names the cause)",
+            None,
+        )
+
     def _from_notice(self, notice: Any, what: str) -> None:
         kind, origin, dead, text = notice
         self._raise(kind, f"{self._where()}: {what} failed: {text} (reported by rank {origin})", dead, notify=False)
 
     def _check_peers(self, what: str) -> None:
+        self._from_node_story(what)
         notice = self._poll_notice()
         if notice is not None:
             self._from_notice(notice, what)
         for j, pid in enumerate(self._pids):
             if j != self._local and not _alive(pid):
-                # It may have exited after raising for a failure elsewhere: its notice says which.
+                # It may have exited after raising for a failure elsewhere (it would have left
+                # its story in the node's abort word, read above): its notice may say which.
                 end = time.monotonic() + _NOTICE_GRACE_S
                 while time.monotonic() < end:
                     notice = self._poll_notice()
@@ -433,7 +467,8 @@ class MultiNodeCommunicator:
         except (ValueError, TypeError):
             raise
         except ShmcollError as e:
-            # A local peer aborted because of a notice: prefer the notice's story.
+            # A local peer aborted for a failure elsewhere: prefer the story it left, or its notice.
+            self._from_node_story(what)
             end = time.monotonic() + _NOTICE_GRACE_S
             while time.monotonic() < end:
                 notice = self._poll_notice()
@@ -1689,10 +1724,7 @@ class MultiNodeCommunicator:
             text = f"{self._where()} failed: {type(cause).__name__}: {cause}"
         self._send_notices("broken", text, None)
         self._broken = text
-        try:
-            self._node.abort(text)
-        except Exception:  # noqa: BLE001
-            pass
+        self._abort_node(text, "broken", None)
 
     def close(self) -> None:
         """Leave the communicator; idempotent."""

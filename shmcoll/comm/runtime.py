@@ -506,6 +506,23 @@ class Runtime:
         self._arena.abort(self._rank, layout.ABORT_ERROR, -1, failures.call_number(self))
         self._broken = f"rank {self._rank} failed: {detail}"
 
+    def _abort_remote(self, text: str, kind: int, blamed: int) -> None:
+        """The multi-node communicator built on this one failed (``kind``: ``layout.REMOTE_*``,
+        ``blamed``: the world rank it found lost, or -1): abort with that story in the abort word,
+        where this node's ranks can read it after this process has exited."""
+        if self._closed or self._is_forked():
+            return
+        self._arena.abort(self._rank, layout.ABORT_REMOTE, blamed, failures.call_number(self), 0, 0, kind)
+        self._broken = text
+
+    def _remote_story(self) -> tuple[int, int, int] | None:
+        """``(origin, kind, blamed)`` when a rank of this communicator aborted it for its
+        multi-node communicator's failure (see ``_abort_remote``), else None."""
+        if self._closed or self._arena.word(layout.AB_CODE) != layout.ABORT_REMOTE:
+            return None
+        info = self._arena.abort_info()
+        return info["origin"], info["detail"], info["peer"]
+
     def _close_runtime(self) -> None:
         """Leave the arena (see ``Communicator.close``)."""
         if self._closed:

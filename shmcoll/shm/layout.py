@@ -128,6 +128,11 @@ ABORT_TIMEOUT = 2
 ABORT_PEER_LOST = 3
 ABORT_MISMATCH = 4
 ABORT_ERROR = 5
+# The origin's multi-node communicator failed (over MPI, or on another node): PEER holds the world
+# rank it blames (-1: none), DETAIL the kind (REMOTE_LOST, REMOTE_TIMEOUT, REMOTE_BROKEN). Its node
+# peers read that story here even after the origin has exited, when its MPI notice may be lost.
+ABORT_REMOTE = 6
+REMOTE_LOST, REMOTE_TIMEOUT, REMOTE_BROKEN = 1, 2, 3
 # Channel control fields (offsets from the channel's first word): three lines, so that in a
 # steady stream of messages neither side reads a line the other writes, but for the cells'.
 C_HEAD = 0  # producer line: cells published (a mailbox's: messages)

@@ -3,7 +3,8 @@ against numpy, results compared bitwise across ranks. Prints one line per rank:
 ``MNRESULT <rank> OK <checks>`` or ``MNRESULT <rank> FAIL <what>``.
 
 Modes (argv[1]): ``check`` (the matrix), ``kill`` (the last rank kills itself during an
-allreduce; the others must raise a ShmcollError naming it).
+allreduce; the others must raise a ShmcollError naming it; ``MN_DEAF_RANK`` makes one rank deaf to
+MPI's news of it).
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ def main() -> None:
         checks += 1
 
     if mode == "kill":
+        if rank == int(os.environ.get("MN_DEAF_RANK", "-1")):
+            # this rank hears no MPI notice and no ULFM failure list: only its node peer's story
+            # (the node's abort word) can tell it who died
+            comm._poll_notice = lambda: None  # type: ignore[method-assign]
+            comm._failed_ranks = lambda: []  # type: ignore[method-assign]
         x = np.ones(1 << 16, np.float32)
         comm.allreduce(x)
         victim = P - 1
