@@ -3,7 +3,8 @@
 All kernels take ``(array, element offset)`` pairs and slice first, then loop from zero: with
 non-negative indices into fresh slices LLVM drops the bounds/wraparound checks and vectorizes
 (indexing ``a[off + i]`` directly measured 10x slower). Explicit loops also beat numba's slice
-assignment, which does not become a memcpy.
+assignment, which does not become a memcpy; a plain copy of 256 bytes or more calls libc's
+memmove instead (``atomics.move_bytes``), which no loop here matches at large sizes.
 
 ``dual`` kernels write the same values to two destinations in one pass: a ring step that
 reduces a segment both stores it in the output and forwards it to the next rank, so the
@@ -40,6 +41,11 @@ from shmcoll.kernels.scalar import (
     minimum,
     multiply,
 )
+from shmcoll.shm.atomics import move_bytes
+
+# A single copy from this many bytes is libc's memmove (see ``atomics.move_bytes``); below it the
+# inline loop saves the call.
+_MOVE_FROM_BYTES = 256
 
 
 @jit
@@ -53,6 +59,8 @@ def copy(dst, doff, dst2, d2off, dual, src, soff, count):  # type: ignore[no-unt
             v = s[i]
             d[i] = v
             d2[i] = v
+    elif count * s.itemsize >= _MOVE_FROM_BYTES:
+        move_bytes(d.ctypes.data, s.ctypes.data, count * s.itemsize)
     else:
         for i in range(count):
             d[i] = s[i]

@@ -17,6 +17,8 @@ this), so all control-word traffic goes through these functions:
   (a ctypes function pointer would bake in one process's address). ``vm_copy`` is cross-memory
   attach (``process_vm_readv``/``process_vm_writev``): one copy straight out of, or into,
   another process's memory.
+- ``move_bytes``: libc's ``memmove`` on two addresses (LLVM's memmove, a call resolved by
+  name like the calls above), for the payload kernels' large copies.
 - ``address_as_pointer``: an address (an int64 from Python) as a typed pointer, so that the
   engine can take the arrays that never change for a call shape as one table of addresses
   instead of one argument each (numba unboxes every array argument, about 55 ns each).
@@ -310,6 +312,24 @@ def monotonic_ns(typingctx):  # type: ignore[no-untyped-def]
         sec = builder.load(builder.gep(ts, [zero, zero]))
         nsec = builder.load(builder.gep(ts, [zero, ir.Constant(_i32, 1)]))
         return builder.add(builder.mul(sec, ir.Constant(_i64, 1_000_000_000)), nsec)
+
+    return sig, codegen
+
+
+@intrinsic
+def move_bytes(typingctx, dst, src, nbytes):  # type: ignore[no-untyped-def]
+    """``memmove(dst, src, nbytes)`` on addresses: libc's copy, which a loop in jitted code does
+    not become (LLVM cannot prove the arrays apart). glibc picks its method by size and CPU (wide
+    vector moves, ``rep movsb``, non-temporal stores for copies larger than the cache):
+    measured here 6-16% faster than the vectorized loop from 64 KiB to 1 MiB and 1.2-1.8x from
+    64 MiB, the same in between."""
+    sig = types.void(types.int64, types.int64, types.int64)
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        bytep = ir.IntType(8).as_pointer()
+        d, s = builder.inttoptr(args[0], bytep), builder.inttoptr(args[1], bytep)
+        cgutils.raw_memmove(builder, d, s, args[2], ir.Constant(_i64, 1))
+        return context.get_dummy_value()
 
     return sig, codegen
 
