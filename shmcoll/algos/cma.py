@@ -80,10 +80,11 @@ def _blocks_from(world_size: int) -> int:
 
 def _gather_from(world_size: int) -> int:
     """:func:`auto_from` for gather, since every rank writes its block into the root's output
-    at once (when the root read them, alone, cma lost to ``direct`` everywhere): 128 KiB at 2
-    ranks (256 KiB: 8.0 against 13.1 us for ``direct``, 1 MiB 14.5 against 68; 64 KiB a tie),
-    1 MiB above (4 ranks: 63 against 71 us, 4 MiB 223 against 354; 256 KiB: 18 against 16)."""
-    return 128 << 10 if world_size <= 2 else 1 << 20
+    at once (when the root read them, alone, cma lost to ``direct`` everywhere): 64 KiB at 2
+    ranks (64 KiB: 2.8 against 3.35-3.53 us for ``direct``, 256 KiB 5.8 against 11.7, 1 MiB
+    14.5 against 68; 32 KiB: 2.25 against 1.88), 1 MiB above (4 ranks: 63 against 71 us, 4 MiB
+    223 against 354; 256 KiB: 18 against 16)."""
+    return 64 << 10 if world_size <= 2 else 1 << 20
 
 
 def _broadcast_from(world_size: int) -> int:

@@ -100,7 +100,7 @@ def test_auto_weighs_cma_only_for_large_calls() -> None:
     assert pick(128 << 10, n=4) != "cma" and pick(16 << 20, n=4) == "cma"  # more ranks, more syncs
     assert pick(256 << 10, n=4) == "cma" and pick(256 << 10, n=4, collective="alltoall") == "cma"
     # gather: every rank writes its block into the root's output at once
-    assert pick(64 << 10, collective="gather") != "cma" and pick(128 << 10, collective="gather") == "cma"
+    assert pick(32 << 10, collective="gather") != "cma" and pick(64 << 10, collective="gather") == "cma"
     assert pick(512 << 10, n=4, collective="gather") != "cma" and pick(1 << 20, n=4, collective="gather") == "cma"
     assert pick(16 << 20, collective="broadcast") == "cma" and pick(16 << 20, n=4, collective="broadcast") == "cma"
     # broadcast from 1 to 16 MiB: the rings (faster in place, the common call), cma again above
