@@ -17,8 +17,11 @@ rings copy each byte into a slot and out again, and combine from memory. ``shmco
 allreduce -a all``, in place: 2 ranks 256 KiB 14 against 31 us for the best ring, 1 MiB 64
 against 118, 4 MiB 355 against 511, 16 MiB 1390 against 2121; 4 ranks 1 MiB 202 against 295, 16
 MiB 3894 against 5140.
-**broadcast**: every rank reads the root's buffer. **scatter**: rank ``r`` reads block ``r`` of
-the root's input. **allgather**: every rank writes its input into its block of every peer's
+**broadcast**: the root writes the first ``1/n`` of its buffer into every peer while each peer
+reads the rest from the root: reading it all, the peers copied while the root's core idled (2
+ranks, in place, 2 MiB 228 -> 64 us, 8 MiB 668 -> 320; out of place, where the root also
+copies its own, 2 MiB 272 against 246 for the rings, 8 MiB 940 against 1030). **scatter**: rank
+``r`` reads block ``r`` of the root's input. **allgather**: every rank writes its input into its block of every peer's
 output. **gather**: every rank writes its input into its block of the root's. **alltoall**: rank
 ``r`` writes block ``j`` of its input into block ``r`` of rank ``j``'s output (in place, from a
 copy in scratch made before its first sync). Where every rank sends to every peer, writing beat
@@ -36,7 +39,8 @@ traffic per rank: it reads what it sends once and each output byte is written on
 reductions: and each peer's part once more, from the cache).
 Constraints: cross-memory attach must be permitted (``Query.cma``). ``auto`` weighs it
 only from :func:`auto_from` on (a system call per block and the syncs cost what the cost model
-does not see), not for broadcasts from 1 to 16 MiB (see :func:`_broadcast_skips`), with the
+does not see), not for broadcasts from 1 to 16 MiB at 3 ranks and more (see
+:func:`_broadcast_skips`), with the
 model or the tune table's measurements; for the reductions it is preferred from there on up to 4
 ranks (:func:`_preferred`); asked for by name it serves any size.
 
@@ -44,11 +48,10 @@ ranks (:func:`_preferred`); asked for by name it serves any size.
 call must choose the same algorithm (``select.choose`` decides on the out-of-place query). Two
 measured cases would want a rule on it: an in-place alltoall copies its blocks to scratch first
 and was slower than ``direct`` at every size (2 ranks: 32 KiB 5.21 against 3.33 us, 8 MiB 611
-against 559; 4 ranks: 16 MiB 4143 against 3390), and an in-place broadcast at 2 ranks and 1 MiB
-took 88 us against 47-51 out of place (the root's own copy, made while the others read its
-buffer, brings that buffer nearer to them: a 1 MiB effect on this machine, gone from 2 MiB).
-For broadcast, where in place is the common call, the sizes where it loses are left to the
-rings (:func:`_broadcast_skips`); an in-place alltoall is rare, and runs cma like the others.
+against 559; 4 ranks: 16 MiB 4143 against 3390), and an in-place broadcast at 4 ranks from 1 to
+16 MiB was slower than the rings. For broadcast, where in place is the common call, the sizes
+where it loses are left to the rings (:func:`_broadcast_skips`); an in-place alltoall is rare,
+and runs cma like the others.
 """
 
 from __future__ import annotations
@@ -107,21 +110,35 @@ _whole = zerocopy._whole  # no slots carry data, so a call is never cut into pie
 
 def _broadcast_skips(world_size: int, size: int) -> bool:
     """Where ``auto`` leaves broadcast to the rings although cma is weighed below and above: from
-    1 MiB to 16 MiB. In place (the form MPI's and torch's broadcast have) the rings were faster
-    there at 2 and 4 ranks, while out of place cma was faster at 2 ranks; ``auto`` cannot tell
-    the two apart (see the module doc), and in place is the common call. ``shmcoll bench -c
-    broadcast -a cma,ps,dbtree,ring``, in place: 2 ranks 1 / 2 / 4 / 8 MiB cma 109 / 228 / 370 /
-    668 us against the best ring's 72 / 150 / 321 / 611, 16 and 32 MiB a tie (1287 against 1297,
-    2615 against 2506); 4 ranks 1 / 4 MiB 240 / 846 against 201 / 795, 16 and 64 MiB cma 1.25x
-    and 1.10x faster. Out of place at 2 ranks cma was 1.17-1.5x faster from 4 MiB, at 4 ranks
-    within 8% of the rings below 16 MiB."""
-    return 1 << 20 <= size < 16 << 20
+    1 MiB to 16 MiB at 3 ranks and more. In place (the form MPI's and torch's broadcast have) the
+    rings were faster there at 4 ranks (``shmcoll bench -c broadcast -a cma,ring,dbtree``, two
+    runs: 4 MiB 648-678 us for ``ring`` against 750-818 for cma; 1 MiB a tie; 16 and 64 MiB cma
+    1.9x and 1.5x faster), while out of place cma was as fast or faster; ``auto`` cannot tell the
+    two apart (see the module doc), and in place is the common call. At 2 ranks, since the root
+    writes its share, cma is the faster one in place at every size from 128 KiB (2 MiB 64 against
+    150 us, 8 MiB 312-328 against 650-662) and out of place within 10% (2 MiB 271-274 against
+    242-250 us; 8 MiB 933-945 against 1026-1033)."""
+    return world_size > 2 and 1 << 20 <= size < 16 << 20
 
 
 @register("broadcast", "cma", piece=_whole, supports=_permitted, auto_from=_broadcast_from, auto_skip=_broadcast_skips)
 def broadcast(ctx: Context) -> None:
-    """Every rank copies the root's buffer."""
-    zerocopy.broadcast(ctx)
+    """The root writes the first ``1/n`` of its buffer into every peer while each peer reads the
+    rest from the root, so that the root's core copies too (each rank copies ``(n-1)/n`` of the
+    buffer, the root's own copy aside)."""
+    n, root, count = ctx.world_size, ctx.root, ctx.count
+    head = count // n
+    zerocopy.sync(ctx)
+    for r in range(n):
+        if r == root:
+            for j in _around(r, n):
+                if head:
+                    ctx.copy(r, Region(Buf.IN, 0), Region(Buf.OUT, 0, rank=j), head)
+            if not ctx.inplace:
+                ctx.copy(r, Region(Buf.IN, 0), Region(Buf.OUT, 0), count)
+        elif count > head:
+            ctx.copy(r, Region(Buf.IN, head, rank=root), Region(Buf.OUT, head), count - head)
+    zerocopy.sync(ctx)
 
 
 def _around(r: int, n: int) -> list[int]:

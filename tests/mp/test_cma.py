@@ -103,9 +103,10 @@ def test_auto_weighs_cma_only_for_large_calls() -> None:
     assert pick(32 << 10, collective="gather") != "cma" and pick(64 << 10, collective="gather") == "cma"
     assert pick(512 << 10, n=4, collective="gather") != "cma" and pick(1 << 20, n=4, collective="gather") == "cma"
     assert pick(16 << 20, collective="broadcast") == "cma" and pick(16 << 20, n=4, collective="broadcast") == "cma"
-    # broadcast from 1 to 16 MiB: the rings (faster in place, the common call), cma again above
-    assert pick(512 << 10, collective="broadcast") == "cma"
-    assert pick(1 << 20, collective="broadcast") != "cma" and pick(8 << 20, n=4, collective="broadcast") != "cma"
+    # broadcast from 1 to 16 MiB at 4 ranks: the rings (faster in place, the common call), cma
+    # again above; at 2 ranks cma throughout (the root writes a share while its peer reads)
+    assert pick(512 << 10, collective="broadcast") == "cma" and pick(4 << 20, collective="broadcast") == "cma"
+    assert pick(1 << 20, n=4, collective="broadcast") != "cma" and pick(8 << 20, n=4, collective="broadcast") != "cma"
     # In place is per rank: what a rank picks must not depend on it, or ranks would disagree.
     for collective in ("broadcast", "alltoall", "allgather"):
         for n, nbytes in ((2, 32 << 10), (2, 1 << 20), (4, 16 << 20)):
