@@ -345,13 +345,21 @@ class MultiNodeCommunicator:
             pass
 
     def _from_node_story(self, what: str) -> None:
-        """Raise with the story a node peer left in the node's abort word, if one did."""
+        """Raise with the story a node peer left in the node's abort word, if one did: its MPI
+        notice, which says it in full (an abort's reason too), if that comes within the grace,
+        else the story's kind and the rank it blames."""
         story = self._node._remote_story()
         if story is None:
             return
         origin, code, dead = story
         if origin == self._local:
             return
+        end = time.monotonic() + _NOTICE_GRACE_S
+        while time.monotonic() < end:
+            notice = self._poll_notice()
+            if notice is not None:
+                self._from_notice(notice, what)
+            time.sleep(0.005)
         teller = self._describe_rank(self._layout.nodes[self._node_index][origin])
         if code == layout.REMOTE_LOST and 0 <= dead < self._world_size:
             self._raise(
