@@ -354,12 +354,7 @@ class MultiNodeCommunicator:
         origin, code, dead = story
         if origin == self._local:
             return
-        end = time.monotonic() + _NOTICE_GRACE_S
-        while time.monotonic() < end:
-            notice = self._poll_notice()
-            if notice is not None:
-                self._from_notice(notice, what)
-            time.sleep(0.005)
+        self._await_notice(what)
         teller = self._describe_rank(self._layout.nodes[self._node_index][origin])
         if code == layout.REMOTE_LOST and 0 <= dead < self._world_size:
             self._raise(
@@ -376,6 +371,15 @@ class MultiNodeCommunicator:
             None,
         )
 
+    def _await_notice(self, what: str) -> None:
+        """Wait up to the grace for a notice that explains a failure seen here, raising with it."""
+        end = time.monotonic() + _NOTICE_GRACE_S
+        while time.monotonic() < end:
+            notice = self._poll_notice()
+            if notice is not None:
+                self._from_notice(notice, what)
+            time.sleep(0.005)
+
     def _from_notice(self, notice: Any, what: str) -> None:
         kind, origin, dead, text = notice
         self._raise(kind, f"{self._where()}: {what} failed: {text} (reported by rank {origin})", dead, notify=False)
@@ -389,12 +393,7 @@ class MultiNodeCommunicator:
             if j != self._local and not _alive(pid):
                 # It may have exited after raising for a failure elsewhere (it would have left
                 # its story in the node's abort word, read above): its notice may say which.
-                end = time.monotonic() + _NOTICE_GRACE_S
-                while time.monotonic() < end:
-                    notice = self._poll_notice()
-                    if notice is not None:
-                        self._from_notice(notice, what)
-                    time.sleep(0.005)
+                self._await_notice(what)
                 dead = self._layout.nodes[self._node_index][j]
                 self._raise("lost", f"{self._describe_rank(dead)} died during {what} (seen by {self._where()})", dead)
 
@@ -477,12 +476,7 @@ class MultiNodeCommunicator:
         except ShmcollError as e:
             # A local peer aborted for a failure elsewhere: prefer the story it left, or its notice.
             self._from_node_story(what)
-            end = time.monotonic() + _NOTICE_GRACE_S
-            while time.monotonic() < end:
-                notice = self._poll_notice()
-                if notice is not None:
-                    self._from_notice(notice, what)
-                time.sleep(0.005)
+            self._await_notice(what)
             if isinstance(e, PeerLostError) and e.dead_rank is not None:
                 dead = self._layout.nodes[self._node_index][e.dead_rank]
                 self._raise(
