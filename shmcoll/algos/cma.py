@@ -19,8 +19,12 @@ against 118, 4 MiB 355 against 511, 16 MiB 1390 against 2121; 4 ranks 1 MiB 202 
 MiB 3894 against 5140.
 **broadcast**: the root writes the first ``1/n`` of its buffer into every peer while each peer
 reads the rest from the root: reading it all, the peers copied while the root's core idled (2
-ranks, in place, 2 MiB 228 -> 64 us, 8 MiB 668 -> 320; out of place, where the root also
-copies its own, 2 MiB 272 against 246 for the rings, 8 MiB 940 against 1030). **scatter**: rank
+ranks, in place, 2 MiB 228 -> 64 us, 8 MiB 668 -> 320). Out of place the root's output is
+filled by the root (its first ``1/n``) and the peers (each its share of the rest, written from
+the output it has just read), so every rank copies the buffer once: with the root copying its
+whole output, 2 ranks took 108 us at 1 MiB, 497 at 4 MiB, 1793 at 16 MiB, now 42, 386, 1279
+(the rings: 93, 497, 2005); 4 ranks 1 MiB 249 -> 241, 4 MiB 842 -> 758, 16 MiB 3058 -> 2878
+(three runs each, ``shmcoll bench -c broadcast -a cma,ring --out-of-place``). **scatter**: rank
 ``r`` reads block ``r`` of the root's input. **allgather**: every rank writes its input into its block of every peer's
 output. **gather**: every rank writes its input into its block of the root's. **alltoall**: rank
 ``r`` writes block ``j`` of its input into block ``r`` of rank ``j``'s output (in place, from a
@@ -116,28 +120,45 @@ def _broadcast_skips(world_size: int, size: int) -> bool:
     1.9x and 1.5x faster), while out of place cma was as fast or faster; ``auto`` cannot tell the
     two apart (see the module doc), and in place is the common call. At 2 ranks, since the root
     writes its share, cma is the faster one in place at every size from 128 KiB (2 MiB 64 against
-    150 us, 8 MiB 312-328 against 650-662) and out of place within 10% (2 MiB 271-274 against
-    242-250 us; 8 MiB 933-945 against 1026-1033)."""
+    150 us, 8 MiB 312-328 against 650-662) and out of place from 256 KiB (1 MiB 42 against 93 us,
+    16 MiB 1279 against 2005). Out of place at 4 ranks cma was faster than the rings from 4 MiB
+    (4 MiB 758 against 875 us, 16 MiB 2878 against 4253): the rings there are in place's pick."""
     return world_size > 2 and 1 << 20 <= size < 16 << 20
+
+
+# Elements from which an out-of-place broadcast's peers fill part of the root's output (2 ranks,
+# float32: 64 KiB 4.5 against 5.0 us with the share, 128 KiB a tie, 256 KiB 12.4 against 12.0,
+# 512 KiB 23.9 against 19.4). Counted in elements as plans are, so 1-byte types share from 64 KiB.
+_SHARE_FROM = 64 << 10
 
 
 @register("broadcast", "cma", piece=_whole, supports=_permitted, auto_from=_broadcast_from, auto_skip=_broadcast_skips)
 def broadcast(ctx: Context) -> None:
     """The root writes the first ``1/n`` of its buffer into every peer while each peer reads the
     rest from the root, so that the root's core copies too (each rank copies ``(n-1)/n`` of the
-    buffer, the root's own copy aside)."""
+    buffer). Out of place the root's own output needs the buffer once more: the root copies its
+    first ``1/n`` and each peer writes its share of the rest from the output it has just read
+    (still in its cache), so every rank copies the buffer once; with the root copying it all,
+    it copied ``(2n-1)/n`` while its peers copied ``(n-1)/n``. (Below :data:`_SHARE_FROM` the
+    root copies its whole output: a peer's extra system call costs more than it saves.)"""
     n, root, count = ctx.world_size, ctx.root, ctx.count
     head = count // n
+    peers = _around(root, n)
+    share = not ctx.inplace and count >= _SHARE_FROM
     zerocopy.sync(ctx)
     for r in range(n):
         if r == root:
-            for j in _around(r, n):
+            for j in peers:
                 if head:
                     ctx.copy(r, Region(Buf.IN, 0), Region(Buf.OUT, 0, rank=j), head)
             if not ctx.inplace:
-                ctx.copy(r, Region(Buf.IN, 0), Region(Buf.OUT, 0), count)
+                ctx.copy(r, Region(Buf.IN, 0), Region(Buf.OUT, 0), head if share else count)
         elif count > head:
             ctx.copy(r, Region(Buf.IN, head, rank=root), Region(Buf.OUT, head), count - head)
+            if share:
+                off, m = split(count - head, n - 1)[peers.index(r)]
+                if m:
+                    ctx.copy(r, Region(Buf.OUT, head + off), Region(Buf.OUT, head + off, rank=root), m)
     zerocopy.sync(ctx)
 
 
@@ -150,13 +171,15 @@ def _around(r: int, n: int) -> list[int]:
 
 @register("allgather", "cma", piece=_whole, supports=_permitted, auto_from=_blocks_from)
 def allgather(ctx: Context) -> None:
-    """Every rank copies its input into its own block, then writes it into every peer's."""
+    """Every rank copies its input into its own block, then writes it into every peer's. The own
+    copy comes before the first sync (it touches nothing a peer reads or writes), so a rank that
+    enters first copies while it waits for the others."""
     n, count = ctx.world_size, ctx.count
+    if not ctx.inplace:
+        for r in range(n):
+            ctx.copy(r, Region(Buf.IN, 0), Region(Buf.OUT, r * ctx.block), count)
     zerocopy.sync(ctx)
     for r in range(n):
-        mine = Region(Buf.OUT, r * ctx.block)
-        if not ctx.inplace:
-            ctx.copy(r, Region(Buf.IN, 0), mine, count)
         for j in _around(r, n):
             ctx.copy(r, Region(Buf.IN, 0), Region(Buf.OUT, r * ctx.block, rank=j), count)
     zerocopy.sync(ctx)
@@ -178,19 +201,20 @@ def gather(ctx: Context) -> None:
 
 @register("alltoall", "cma", piece=_whole, supports=_permitted, auto_from=_blocks_from)
 def alltoall(ctx: Context) -> None:
-    """Rank ``r`` writes block ``j`` of its input into block ``r`` of rank ``j``'s output. In
-    place, peers write into the very buffer this rank sends from: it copies its blocks into
-    scratch before its first sync, and sends from there."""
+    """Rank ``r`` writes block ``j`` of its input into block ``r`` of rank ``j``'s output, after
+    copying its own block before its first sync (as allgather). In place, peers write into the
+    very buffer this rank sends from: it copies its blocks into scratch before its first sync,
+    and sends from there."""
     n, count = ctx.world_size, ctx.count
     staging = ctx.tmp(n * count) if ctx.inplace else None
     for r in range(n):
         if staging is not None:
             for j in _around(r, n):
                 ctx.copy(r, Region(Buf.IN, j * ctx.block), Region(Buf.TMP, staging.off + j * count), count)
+        else:
+            ctx.copy(r, Region(Buf.IN, r * ctx.block), Region(Buf.OUT, r * ctx.block), count)
     zerocopy.sync(ctx)
     for r in range(n):
-        if staging is None:
-            ctx.copy(r, Region(Buf.IN, r * ctx.block), Region(Buf.OUT, r * ctx.block), count)
         for j in _around(r, n):
             src = Region(Buf.IN, j * ctx.block) if staging is None else Region(Buf.TMP, staging.off + j * count)
             ctx.copy(r, src, Region(Buf.OUT, r * ctx.block, rank=j), count)

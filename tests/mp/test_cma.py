@@ -44,6 +44,10 @@ def _large(comm, count: int) -> list[str]:  # type: ignore[no-untyped-def]
     comm.broadcast(b, root=n - 1, algorithm="cma")
     if not np.array_equal(b, val(n - 1, count)):
         bad.append("broadcast")
+    got = np.full(count, -1.0, np.float32)  # out of place: the peers fill the root's output too
+    comm.broadcast(val(r, count), out=got, root=1 % n, algorithm="cma")
+    if not np.array_equal(got, val(1 % n, count)):
+        bad.append("broadcast out of place")
     rows = np.stack([val(r * n + j, count, np.float64) for j in range(n)])
     t = comm.alltoall(rows, algorithm="cma")
     if not all(np.array_equal(t[j], val(j * n + r, count, np.float64)) for j in range(n)):

@@ -7,8 +7,9 @@ import dataclasses
 import pytest
 
 from shmcoll import collectives
-from shmcoll.algos import registry
+from shmcoll.algos import cma, registry
 from shmcoll.plan import ir
+from shmcoll.plan.builder import split
 from shmcoll.plan.ir import Buf, Region, Step
 from shmcoll.plan.passes import channel_skeleton, fuse, plan_call
 from shmcoll.plan.verify import PlanError, verify
@@ -249,7 +250,11 @@ def test_cma_writes_into_its_peers_around_the_world(collective: str) -> None:
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_cma_broadcast_root_writes_its_share_while_peers_read_the_rest(n: int) -> None:
     # Measured (cma's module doc): with the peers reading it all, the root's core idled
-    count = 10
+    for count in (10, cma._SHARE_FROM + 1):
+        _check_broadcast_shape(n, count)
+
+
+def _check_broadcast_shape(n: int, count: int) -> None:
     head = count // n
     for root in range(n):
         for inplace in (False, True):
@@ -260,8 +265,21 @@ def test_cma_broadcast_root_writes_its_share_while_peers_read_the_rest(n: int) -
                     writes = [(s.dst.rank, s.a.off, s.count) for s in moves if s.dst.rank is not None]
                     assert writes == [((root + k) % n, 0, head) for k in range(1, n)]
                 else:
-                    reads = [(s.a.rank, s.a.off, s.dst.off, s.count) for s in moves]
+                    reads = [(s.a.rank, s.a.off, s.dst.off, s.count) for s in moves if s.a.rank is not None]
                     assert reads == [(root, head, head, count - head)]
+            if not inplace:
+                # The root's own output: from _SHARE_FROM its head by the root and the rest by
+                # the peers, each its share of what it has just read; below, all by the root.
+                into_root = sorted(
+                    (s.dst.off, s.count)
+                    for rank in range(n)
+                    for s in plan.tail.programs[rank]
+                    if s.count and s.dst is not None and (s.dst.rank == root or rank == root and s.dst.rank is None)
+                )
+                if count >= cma._SHARE_FROM:
+                    assert into_root == [(0, head)] + [(head + off, m) for off, m in split(count - head, n - 1)]
+                else:
+                    assert into_root == [(0, count)]
 
 
 def _drop_cma_sync(collective: str, which: int, inplace: bool = False):  # type: ignore[no-untyped-def]
