@@ -8,11 +8,11 @@ means (regions on other ranks, dissemination syncs of zero-byte messages, safety
 by the verifier's vector clocks); each rank publishes its buffers' addresses when it enters the
 call, and a copy from or into a peer's region is one system call (``ir.PEERS_CMA``).
 
-**allreduce**: rank ``r`` reads chunk ``r`` of each peer's input into scratch, a 128 KiB part
-(32 Ki elements) at a time, and combines it with its own at once, while the part is still in
-its cache; then it writes its finished chunk into every peer's output (no sync between: chunk
-``r`` of a peer's buffer is read and then written by rank ``r`` alone). **reduce_scatter**: the
-first half. Each chunk is combined once, by its owner, so every rank gets the same bits; the
+**allreduce**: rank ``r`` reads chunk ``r`` of each peer's input into scratch, a 256 KiB part
+(64 Ki elements) at a time, combines it with its own at once, while the part is still in its
+cache, and writes the finished part into every peer's output (no sync between: chunk ``r`` of a
+peer's buffer is read and then written by rank ``r`` alone). **reduce_scatter**: the reads and
+combinations alone. Each chunk is combined once, by its owner, so every rank gets the same bits; the
 rings copy each byte into a slot and out again, and combine from memory. ``shmcoll bench -c
 allreduce -a all``, in place: 2 ranks 256 KiB 14 against 31 us for the best ring, 1 MiB 64
 against 118, 4 MiB 355 against 511, 16 MiB 1390 against 2121; 4 ranks 1 MiB 202 against 295, 16
@@ -234,12 +234,16 @@ def scatter(ctx: Context) -> None:
     zerocopy.sync(ctx)
 
 
-# A peer's part is read into scratch and combined at once, while it is still in this core's cache.
-_PART = 32 << 10  # elements
-# At most this many parts per chunk, so that a plan stays a bounded table (2048 steps per rank
+# A peer's part is read into scratch and combined at once, while it is still in this core's
+# cache, and (allreduce) written into the peers' outputs at once too. 64 Ki elements (256 KiB of
+# float32): with the writes per part, 2 ranks in place 2 MiB 129 us against 137 for 32 Ki parts,
+# 4 MiB 295 against 311; 128 Ki parts were slower (139, 318); reduce_scatter the same within
+# the spread (``shmcoll bench -c allreduce,reduce_scatter -a cma``, 3-5 runs).
+_PART = 64 << 10  # elements
+# At most this many parts per chunk, so that a plan stays a bounded table (1536 steps per rank
 # at 2 ranks); larger calls (above 32 Mi elements per rank's chunk: 128 MiB of float32) are the
 # rings' (at 256 MiB cma and the ring were already tied at 2 ranks).
-_MAX_PARTS = 1024
+_MAX_PARTS = 512
 
 
 def _part(count: int) -> int:
@@ -255,9 +259,10 @@ def _reduction_permitted(query: Query) -> str | None:
     return reason
 
 
-def _reduce_chunk(ctx: Context, r: int, src: int, dst: int, count: int, scratch: Region) -> None:
+def _reduce_chunk(ctx: Context, r: int, src: int, dst: int, count: int, scratch: Region, spread: bool = False) -> None:
     """``OUT[dst:+count]`` on rank ``r`` = its own ``IN[src:+count]`` (op) each peer's, around the
-    world from the next rank, a part at a time; AVG's division at the last combination."""
+    world from the next rank, a part at a time; AVG's division at the last combination.
+    ``spread``: each finished part is also written into every peer's ``OUT`` at the same place."""
     n = ctx.world_size
     if n == 1:
         ctx.copy(r, Region(Buf.IN, src), Region(Buf.OUT, dst), count)
@@ -270,6 +275,9 @@ def _reduce_chunk(ctx: Context, r: int, src: int, dst: int, count: int, scratch:
             ctx.copy(r, Region(Buf.IN, src + s, rank=j), scratch, m)
             left = Region(Buf.IN, src + s) if pos == 0 else here
             ctx.reduce_local(r, left, scratch, here, m, final=pos == n - 2)
+        if spread:
+            for j in _around(r, n):
+                ctx.copy(r, here, Region(Buf.OUT, dst + s, rank=j), m)
 
 
 def _allreduce_from(world_size: int) -> int:
@@ -304,8 +312,11 @@ def _preferred(auto_from: Callable[[int], int]) -> Callable[[int, int], bool]:
     auto_prefer=_preferred(_allreduce_from),
 )
 def allreduce(ctx: Context) -> None:
-    """Rank ``r`` reads chunk ``r`` of every peer's input into scratch, a part at a time, and
-    combines it with its own; then it writes its finished chunk into every peer's output."""
+    """Rank ``r`` reads chunk ``r`` of every peer's input into scratch, a part at a time,
+    combines it with its own, and writes the finished part into every peer's output while it is
+    still in its cache. (Writing the whole chunk after the last part read it back from memory: 2
+    ranks in place 2 MiB 159 -> 141 us, 4 MiB 434 -> 325, 8 MiB 806 -> 687; 4 ranks 8 MiB 2185
+    -> 1544; 512 KiB and 1 MiB the same; ``shmcoll bench -c allreduce -a cma``, 3 runs each.)"""
     n, count = ctx.world_size, ctx.count
     chunks = split(count, n)
     biggest = max(c for _, c in chunks)
@@ -314,12 +325,7 @@ def allreduce(ctx: Context) -> None:
     for r in range(n):
         off, c = chunks[r]
         if c:
-            _reduce_chunk(ctx, r, off, off, c, scratch)
-    # No sync between: chunk r of a peer's buffer is read and then written by rank r alone.
-    for r in range(n):
-        off, c = chunks[r]
-        for j in _around(r, n):
-            ctx.copy(r, Region(Buf.OUT, off), Region(Buf.OUT, off, rank=j), c)
+            _reduce_chunk(ctx, r, off, off, c, scratch, spread=True)
     zerocopy.sync(ctx)
 
 

@@ -282,6 +282,25 @@ def _check_broadcast_shape(n: int, count: int) -> None:
                     assert into_root == [(0, count)]
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_cma_allreduce_writes_each_part_while_it_is_in_cache(n: int) -> None:
+    # Measured (cma.allreduce's doc): writing the whole chunk after its last part read it back
+    # from memory. Each part is read from every peer, then written into every peer, in turn.
+    count = n * (2 * cma._PART + 7)  # two whole parts and a short one per chunk
+    plan = plan_call(registry.get("allreduce", "cma"), n, count, 100)
+    for rank in range(n):
+        kinds = ""
+        for s in plan.tail.programs[rank]:
+            kind = "R" if s.count and s.a is not None and s.a.rank is not None else ""
+            kind = "W" if s.count and s.dst is not None and s.dst.rank is not None else kind
+            if kind and not kinds.endswith(kind):
+                kinds += kind
+        assert kinds == "RW" * 3
+    # The part's size bounds the plan: larger chunks are the rings'.
+    big = registry.Query("allreduce", 2, 2 * cma._PART * cma._MAX_PARTS + 2, 4, cma=True)
+    assert "parts" in (registry.get("allreduce", "cma").supports(big) or "")
+
+
 def _drop_cma_sync(collective: str, which: int, inplace: bool = False):  # type: ignore[no-untyped-def]
     plan = plan_call(registry.get(collective, "cma"), 2, 6, 100, inplace=inplace)
     programs = []
