@@ -1,11 +1,14 @@
-"""What the memory traffic of a 2-rank allreduce costs on one core, as a floor for any schedule.
+"""What the memory traffic of a 2-rank allreduce costs on one core.
 
 For N bytes at 2 ranks, each rank must at least reduce its half (read its own and the peer's,
 write: one add of N/2) and obtain the other half (one copy of N/2); the rings' schedule costs
 each rank three copies and one add of N/2 (into a slot, out of a slot, for both phases). This
-times numpy's copy and add of N/2 in one process (median of 7 blocks): ``python
-benchmarks/memory_bound.py``. Compare with the measured allreduce (``compare_peers.py -c
-allreduce -b 1M -e 4M``); see benchmarks/RESULTS.md.
+times numpy's copy and add of N/2 in one process (median of 7 blocks), first as two passes over
+the whole half, then a 256 KiB part at a time (copy the part, add it), as cma's allreduce goes:
+once N/2 outgrows the core's cache the whole-buffer passes pay the memory twice, so they are no
+floor for a schedule that works in parts (stop 28 took them for one, and cma's allreduce at 4
+MiB then ran below them). ``python benchmarks/memory_bound.py``; compare with the measured
+allreduce (``compare_peers.py -c allreduce -b 1M -e 4M``); see benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ def per_call_us(fn: Callable[[], object], reps: int = 200) -> float:
     return float(np.median(blocks)) * 1e6
 
 
+PART = 64 << 10  # float32 elements: cma's part (256 KiB)
+
+
 def main() -> None:
     rng = np.random.default_rng(0)
     for mib in (1, 2, 4):
@@ -40,9 +46,18 @@ def main() -> None:
         src, other, dst = a[half], b[half], np.empty(n // 2, np.float32)
         copy_us = per_call_us(functools.partial(np.copyto, dst, src))
         add_us = per_call_us(functools.partial(np.add, src, other, out=src))
+        parts = [slice(s, s + PART) for s in range(0, n // 2, PART)]
+
+        def by_parts() -> None:
+            for p in parts:
+                np.copyto(dst[p], other[p])
+                np.add(src[p], dst[p], out=src[p])
+
+        parts_us = per_call_us(by_parts)
         print(
             f"{mib} MiB: copy of half {copy_us:.1f} us, add of half {add_us:.1f} us; "
-            f"floor (add + copy of half) {copy_us + add_us:.1f} us; "
+            f"whole passes (add + copy of half) {copy_us + add_us:.1f} us; "
+            f"a part at a time {parts_us:.1f} us; "
             f"rings' work (add + 3 copies of half) {add_us + 3 * copy_us:.1f} us"
         )
 
