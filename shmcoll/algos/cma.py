@@ -27,8 +27,8 @@ whole output, 2 ranks took 108 us at 1 MiB, 497 at 4 MiB, 1793 at 16 MiB, now 42
 (three runs each, ``shmcoll bench -c broadcast -a cma,ring --out-of-place``). **scatter**: rank
 ``r`` reads block ``r`` of the root's input. **allgather**: every rank writes its input into its block of every peer's
 output. **gather**: every rank writes its input into its block of the root's. **alltoall**: rank
-``r`` writes block ``j`` of its input into block ``r`` of rank ``j``'s output (in place, from a
-copy in scratch made before its first sync). Where every rank sends to every peer, writing beat
+``r`` writes block ``j`` of its input into block ``r`` of rank ``j``'s output (in place, each pair
+of ranks swaps its two blocks, half each: :func:`_swaps`). Where every rank sends to every peer, writing beat
 reading (two processes exchanging 1 MiB each with ``process_vm_writev``
 took 126-157 us against 165-167 for ``process_vm_readv``, 4 ranks 355-387 against 443-446; the
 data a rank just produced is in its own cache, where a reader must fetch it from another core's),
@@ -49,13 +49,12 @@ model or the tune table's measurements; for the reductions it is preferred from 
 ranks (:func:`_preferred`); asked for by name it serves any size.
 
 ``auto`` cannot tell in place from out of place here: in place is per rank, and every rank of a
-call must choose the same algorithm (``select.choose`` decides on the out-of-place query). Two
-measured cases would want a rule on it: an in-place alltoall copies its blocks to scratch first
-and was slower than ``direct`` at every size (2 ranks: 32 KiB 5.21 against 3.33 us, 8 MiB 611
-against 559; 4 ranks: 16 MiB 4143 against 3390), and an in-place broadcast at 4 ranks from 1 to
-16 MiB was slower than the rings. For broadcast, where in place is the common call, the sizes
-where it loses are left to the rings (:func:`_broadcast_skips`); an in-place alltoall is rare,
-and runs cma like the others.
+call must choose the same algorithm (``select.choose`` decides on the out-of-place query). One
+measured case would want a rule on it: an in-place broadcast at 4 ranks from 1 to 16 MiB was
+slower than the rings, and is left to them (:func:`_broadcast_skips`; in place is the common
+broadcast). An in-place alltoall, slower than ``direct`` at every size while it staged its
+blocks in scratch, now swaps them and is faster from 128 KiB (see :func:`_swaps`); at 32 KiB,
+where ``auto`` starts weighing cma at 2 ranks, it is 0.5 us slower than ``direct`` in place.
 """
 
 from __future__ import annotations
@@ -202,22 +201,42 @@ def gather(ctx: Context) -> None:
 @register("alltoall", "cma", piece=_whole, supports=_permitted, auto_from=_blocks_from)
 def alltoall(ctx: Context) -> None:
     """Rank ``r`` writes block ``j`` of its input into block ``r`` of rank ``j``'s output, after
-    copying its own block before its first sync (as allgather). In place, peers write into the
-    very buffer this rank sends from: it copies its blocks into scratch before its first sync,
-    and sends from there."""
+    copying its own block before its first sync (as allgather). In place (see :func:`_swaps`)
+    the blocks are swapped pair by pair."""
     n, count = ctx.world_size, ctx.count
-    staging = ctx.tmp(n * count) if ctx.inplace else None
+    if ctx.inplace:
+        _swaps(ctx)
+        return
     for r in range(n):
-        if staging is not None:
-            for j in _around(r, n):
-                ctx.copy(r, Region(Buf.IN, j * ctx.block), Region(Buf.TMP, staging.off + j * count), count)
-        else:
-            ctx.copy(r, Region(Buf.IN, r * ctx.block), Region(Buf.OUT, r * ctx.block), count)
+        ctx.copy(r, Region(Buf.IN, r * ctx.block), Region(Buf.OUT, r * ctx.block), count)
     zerocopy.sync(ctx)
     for r in range(n):
         for j in _around(r, n):
-            src = Region(Buf.IN, j * ctx.block) if staging is None else Region(Buf.TMP, staging.off + j * count)
-            ctx.copy(r, src, Region(Buf.OUT, r * ctx.block, rank=j), count)
+            ctx.copy(r, Region(Buf.IN, j * ctx.block), Region(Buf.OUT, r * ctx.block, rank=j), count)
+    zerocopy.sync(ctx)
+
+
+def _swaps(ctx: Context) -> None:
+    """In-place alltoall: block ``j`` of rank ``r`` and block ``r`` of rank ``j`` trade places,
+    the lower rank of each pair swapping the first half of the two blocks and the higher one the
+    second half: read the peer's half into scratch, write its own half into the peer, copy the
+    scratch into its own block. No two ranks touch the same element, so the two syncs suffice.
+    Each rank copies 1.5 blocks per peer where copying its blocks into scratch and sending them
+    from there cost 2, and the pair's blocks stay in the two ranks' caches. ``shmcoll bench -c
+    alltoall -a cma,direct --in-place``, this plan against the staging one, alternating, 3
+    rounds: 2 ranks 128 KiB 14.9 -> 6.2 us, 2 MiB 154 -> 59, 8 MiB 605 -> 480 (``direct`` 7.9,
+    122, 561); 4 ranks 1 MiB 261 -> 109, 16 MiB 5159 -> 2872 (``direct`` 233, 3649)."""
+    n, count, block = ctx.world_size, ctx.count, ctx.block
+    halves = split(count, 2)
+    scratch = ctx.tmp(halves[0][1])
+    zerocopy.sync(ctx)
+    for r in range(n):
+        for j in _around(r, n):
+            off, m = halves[0] if r < j else halves[1]
+            if m:
+                ctx.copy(r, Region(Buf.IN, r * block + off, rank=j), scratch, m)
+                ctx.copy(r, Region(Buf.IN, j * block + off), Region(Buf.OUT, r * block + off, rank=j), m)
+                ctx.copy(r, scratch, Region(Buf.OUT, j * block + off), m)
     zerocopy.sync(ctx)
 
 
