@@ -14,9 +14,10 @@ cache, and writes the finished part into every peer's output (no sync between: c
 peer's buffer is read and then written by rank ``r`` alone). **reduce_scatter**: the reads and
 combinations alone. Each chunk is combined once, by its owner, so every rank gets the same bits; the
 rings copy each byte into a slot and out again, and combine from memory. ``shmcoll bench -c
-allreduce -a all``, in place: 2 ranks 256 KiB 14 against 31 us for the best ring, 1 MiB 64
-against 118, 4 MiB 355 against 511, 16 MiB 1390 against 2121; 4 ranks 1 MiB 202 against 295, 16
-MiB 3894 against 5140.
+allreduce -a all``, in place, when cma still wrote whole chunks (stop 27; per-part writes since,
+see :func:`allreduce`): 2 ranks 256 KiB 14 against 31 us for the best ring, 1 MiB 64 against
+118, 4 MiB 355 against 511, 16 MiB 1390 against 2121; 4 ranks 1 MiB 202 against 295, 16 MiB
+3894 against 5140.
 **broadcast**: the root writes the first ``1/n`` of its buffer into every peer while each peer
 reads the rest from the root: reading it all, the peers copied while the root's core idled (2
 ranks, in place, 2 MiB 228 -> 64 us, 8 MiB 668 -> 320). Out of place the root's output is
@@ -334,9 +335,10 @@ def _preferred(auto_from: Callable[[int], int]) -> Callable[[int, int], bool]:
 def allreduce(ctx: Context) -> None:
     """Rank ``r`` reads chunk ``r`` of every peer's input into scratch, a part at a time,
     combines it with its own, and writes the finished part into every peer's output while it is
-    still in its cache. (Writing the whole chunk after the last part read it back from memory: 2
-    ranks in place 2 MiB 159 -> 141 us, 4 MiB 434 -> 325, 8 MiB 806 -> 687; 4 ranks 8 MiB 2185
-    -> 1544; 512 KiB and 1 MiB the same; ``shmcoll bench -c allreduce -a cma``, 3 runs each.)"""
+    still in its cache. (Writing the whole chunk after the last part read it back from memory:
+    ``shmcoll bench -c allreduce -a cma``, this plan against that one, alternating, 3 rounds: 2
+    ranks in place 4 MiB 348 -> 254 us, 16 MiB 1452 -> 1019, out of place 4 MiB 449 -> 347; 4
+    ranks in place 8 MiB 2185 -> 1541; 256 KiB-1 MiB within 3-5% either way.)"""
     n, count = ctx.world_size, ctx.count
     chunks = split(count, n)
     biggest = max(c for _, c in chunks)
