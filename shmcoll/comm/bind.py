@@ -27,6 +27,7 @@ import numpy as np
 from shmcoll.collectives import KIND_CODE, Collective
 from shmcoll.comm import arrays, device, registered, tensors
 from shmcoll.comm.calls import Bound, Call
+from shmcoll.comm.requests import with_trying
 from shmcoll.comm.runtime import Runtime
 from shmcoll.engine import cpu as engine
 from shmcoll.types import dtype_str
@@ -163,11 +164,12 @@ def _make_lean(rt: Runtime, code: int, identity: tuple[Any, ...], b: Any, eligib
     rt._lean[code] = (*identity, enter, record.ctypes.data, b, record)
 
 
-def lean_run(rt: Runtime, b: Any) -> tuple[Any, int, np.ndarray] | None:
+def lean_run(rt: Runtime, b: Any) -> tuple[Any, ...] | None:
     """(entry point, record address, record) through which a started operation bound as ``b``
     enters the engine (``requests.Queue`` runs it so when nothing else needs the run loop), or
-    None for a call :func:`_make_lean` would not give the lean path. For persistent requests,
-    made once per request; an ``i``-form started with a remembered lean call uses that call's."""
+    None for a call :func:`_make_lean` would not give the lean path, extended by
+    ``requests.with_trying``. For persistent requests, made once per request; an ``i``-form started
+    with a remembered lean call uses that call's."""
     if type(b) is not tuple or b[1] is None or b[5] is not None or rt._trace:
         return None
     call = b[0]
@@ -175,7 +177,7 @@ def lean_run(rt: Runtime, b: Any) -> tuple[Any, int, np.ndarray] | None:
     if enter is None:
         return None
     record = engine.record_for(call.start, b[1], b[2])
-    return enter, record.ctypes.data, record
+    return with_trying((enter, record.ctypes.data, record), b)
 
 
 _ENTRIES: dict[np.dtype, Any] = {}

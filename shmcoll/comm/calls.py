@@ -42,8 +42,9 @@ class Call:
     The encoded program is kept once per way the engine may enter it (``ir.ENTRY_*``): ``prog``
     starts a call, ``prog_nested`` starts one inside a call made of several (which holds the
     communicator), ``prog_claimed`` starts one whose caller claimed the state already, and
-    ``prog_resume`` continues a started call; only the thread that started a call ever uses the
-    last one. Each has its table of handles (``engine.cpu.handles_for``), which is what the run
+    ``prog_resume`` continues a started call; only the thread that carries the call uses the
+    last one (the one that started it, or for a started operation the thread that took it from
+    its queue). Each has its table of handles (``engine.cpu.handles_for``), which is what the run
     loop passes to the engine: ``start``, ``nested``, ``claimed`` and ``resume``.
 
     ``fill`` is set where the plan leaves the result alone but the method defines it: an

@@ -43,7 +43,7 @@ class Persistent:
     object with ``wait``, ``test`` and ``done``: the multi-node communicator's are MPI-driven).
     """
 
-    __slots__ = ("_begin", "what", "_active", "_rt", "_bound")
+    __slots__ = ("_begin", "what", "_active", "_rt", "_bound", "_started")
 
     def __init__(self, begin: Callable[[], Any], what: str, rt: Any = None, bound: Any = None) -> None:
         self._begin = begin
@@ -54,16 +54,19 @@ class Persistent:
         # of a usable communicator, a new request): start() took 0.93 us, 0.50 so (1 rank).
         self._rt = rt
         self._bound = bound
+        # Started and not yet completed by wait() or test(), as MPI has it: a small call may be
+        # done within its start (requests.Queue._admit), and is still not to be started again.
+        self._started = False
 
     def __repr__(self) -> str:
-        state = "inactive" if self._active is None or self._active.done else "started"
+        state = "started" if self._started else "inactive"
         return f"<shmcoll.Persistent {self.what} ({state})>"
 
     def start(self) -> None:
         """Start the call (returns at once); raises RuntimeError if it is started already."""
-        active = self._active
-        if active is not None and not active.done:
+        if self._started:
             raise RuntimeError(f"{self.what} is started already: wait() for it before starting it again")
+        active = self._active
         rt = self._rt
         if (
             rt is not None
@@ -72,9 +75,11 @@ class Persistent:
             and rt._nested_owner is None
             and active._queue is rt._progress
         ):
+            self._started = True
             active._queue.restart(active, self._bound)
             return
         self._active = self._begin()
+        self._started = True
 
     def wait(self, timeout: float | None = None) -> Any:
         """Wait until the started call completes; returns what the blocking call returns.
@@ -84,15 +89,25 @@ class Persistent:
             ShmcollError: what the blocking call would have raised.
             TimeoutError: ``timeout`` elapsed first (the call goes on).
         """
-        if self._active is None:
+        active = self._active
+        if active is None:
             raise RuntimeError(f"{self.what} was never started: call start() first")
-        return self._active.wait(timeout)
+        try:
+            return active.wait(timeout)
+        finally:
+            if active.done:  # (not after a TimeoutError: it goes on)
+                self._started = False
 
     def test(self) -> bool:
         """Whether the started call has completed, without blocking; raises its error if it failed."""
-        if self._active is None:
+        active = self._active
+        if active is None:
             raise RuntimeError(f"{self.what} was never started: call start() first")
-        return self._active.test()
+        try:
+            return active.test()
+        finally:
+            if active.done:
+                self._started = False
 
     @property
     def done(self) -> bool:

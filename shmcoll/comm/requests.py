@@ -26,6 +26,10 @@ overlapped with computation took 1.30x the ideal time with 0.5 ms polling and 1.
 (16 and 31 us through torch). The polling stops soon after the last submission (5 ms): a
 blocking call made meanwhile measured 15% slower at 8 B with 100 ms of polling.
 
+A small operation may run at its start instead (:meth:`Queue._admit`): one that finds nothing
+ahead of it runs until its first wait and is then *parked* at the head of the queue, holding the
+engine mid-call, for the next thread that takes the head to resume it.
+
 Errors (a lost peer, a timeout, a mismatch) are raised by :meth:`Request.wait` and
 :meth:`Request.test` with the messages of the blocking calls; the communicator is broken, so
 the operations queued behind the failed one fail too, with ``CommunicatorBrokenError``.
@@ -41,7 +45,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from shmcoll import config
-from shmcoll.engine.cpu import OK
+from shmcoll.engine import cpu as engine
+from shmcoll.engine.cpu import OK, WAITING
 
 Runtime = Any  # comm.runtime.Runtime
 
@@ -56,6 +61,25 @@ _GRACE_S = 0.00005
 _ACTIVE_S = 0.005
 _ANY_DONE = threading.Condition()
 _ANY_WAITERS = [0]  # threads in wait_any (completions notify _ANY_DONE only if there are some)
+# Operations up to this many bytes per buffer run at their start as far as they go without
+# waiting (Queue._admit). A larger one would keep the caller from its own work for longer than a
+# queued start costs, so it is left to whoever waits, or the progress thread; and at 64 KiB (2
+# ranks: cma, whose first step waits for every peer) start+wait measured 3-11% slower so than
+# queued (benchmarks/latency.py, 3 alternating rounds: 13.0-13.8 against 12.4-12.9 us).
+START_AT_ONCE = 16 << 10
+
+
+def with_trying(lean: tuple[Any, ...], b: Any) -> tuple[Any, ...]:
+    """``lean`` (entry point, record address, record: ``bind.lean_run``), and for a call ``b``
+    whose buffers hold at most :data:`START_AT_ONCE` bytes the addresses of a trying record (its
+    run returns at the first wait) and of a resuming one, then both records: the queue runs such
+    a call at its start (:meth:`Queue._admit`)."""
+    call, inp, res = b[0], b[1], b[2]
+    if max(inp.nbytes, res.nbytes) > START_AT_ONCE:
+        return lean
+    trying = engine.record_for(call.start, inp, res, trying=True)
+    resuming = engine.record_for(call.resume, inp, res)
+    return (*lean, trying.ctypes.data, resuming.ctypes.data, (trying, resuming))
 
 
 class Waiter(Protocol):
@@ -71,7 +95,19 @@ class Request:
     returns True): do not read an output or write an input before then.
     """
 
-    __slots__ = ("_queue", "_bound", "_timeout", "_state", "_result", "_error", "what", "_since", "_callbacks", "_lean")
+    __slots__ = (
+        "_queue",
+        "_bound",
+        "_timeout",
+        "_state",
+        "_result",
+        "_error",
+        "what",
+        "_since",
+        "_callbacks",
+        "_lean",
+        "_parked",
+    )
 
     def __init__(
         self, queue: Waiter, bound: Any, timeout: float | None, what: str, since: float, lean: Any = None
@@ -79,7 +115,10 @@ class Request:
         self._queue = queue
         self._since = since
         self._bound = bound
-        self._lean = lean  # (entry point, record address, record): see Queue._run
+        # (entry point, record address, record[, trying record's address, resume record's
+        # address, those records]): see Queue._run and Queue.restart
+        self._lean = lean
+        self._parked = -1  # the status its first run stopped at (Queue.restart), else -1
         self._timeout = timeout
         self._state = _PENDING
         self._result: Any = None
@@ -172,24 +211,80 @@ class Queue:
                     target=self._serve, name=f"shmcoll-progress-r{self._rt.rank}", daemon=True
                 )
                 self._thread.start()
-            self._items.append(req)
-            self.pending += 1
-            if self._idle:
-                self._work.notify()
+            now_here = self._admit(req)
+        if now_here:
+            self._run_at_start(req)
         return req
 
     def restart(self, req: Request, bound: Any) -> None:
         """Start a completed request again on ``bound`` (a persistent request's; the caller
-        checked that it is done): :meth:`submit` without making a request."""
-        now = time.monotonic()
-        req._since = now
+        checked that it is done, and that nothing holds or broke the communicator):
+        :meth:`submit` without making a request (and :meth:`_admit` written out: a persistent
+        start is all overhead)."""
         req._bound = bound
         req._result = req._error = None
-        req._state = _PENDING
+        lean = req._lean
+        with self._lock:
+            self.pending += 1
+            if lean is None or len(lean) < 4 or self._running or self._items:
+                now = time.monotonic()
+                req._since = now
+                self._active_until = now + _ACTIVE_S
+                req._state = _PENDING
+                self._items.append(req)
+                if self._idle:
+                    self._work.notify()
+                return
+            req._state = _RUNNING
+            self._running = True
+        self._ran_at_start(req, lean[0](lean[3]))
+
+    def _admit(self, req: Request) -> bool:
+        """Queue ``req``, or take it to run at its start (True; call with the lock held).
+
+        A small request whose lean path has a trying record (:func:`with_trying`) and that
+        finds nothing ahead of it runs at once, as far as it goes without waiting: a step that
+        would wait returns instead, and the request goes back to the head of the queue,
+        *parked*, for the first thread that waits on it (or the progress thread, after its
+        grace) to carry on from there. So a start posts what this rank sends while the caller
+        goes on, a start followed by a wait costs one run and one resumption instead of the
+        queue's hand-off, and a request whose peers were there already completes in its start.
+        (``_runner`` stays 0 meanwhile: it is for :meth:`drain` in the thread that runs an
+        operation, and no other Python code runs in this thread until the run returns.)"""
+        self.pending += 1
+        lean = req._lean
+        if lean is None or len(lean) < 4 or self._running or self._items:
+            req._state = _PENDING
+            self._items.append(req)
+            if self._idle:
+                self._work.notify()
+            return False
+        req._state = _RUNNING
+        self._running = True
+        return True
+
+    def _run_at_start(self, req: Request) -> None:
+        """Run ``req`` (taken by :meth:`_admit`) until it completes or would wait."""
+        lean = req._lean
+        self._ran_at_start(req, lean[0](lean[3]))
+
+    def _ran_at_start(self, req: Request, st: int) -> None:
+        """Complete ``req``, whose trying run returned ``st``, or park it at the queue's head."""
+        if st == OK:
+            req._result = req._bound[3]
+            req._bound = None
+            self._complete(req)
+            return
+        req._parked = st
+        now = time.monotonic()
+        req._since = now  # (its grace, for the progress thread, runs from here)
         with self._lock:
             self._active_until = now + _ACTIVE_S
-            self._items.append(req)
-            self.pending += 1
+            req._state = _PENDING
+            self._items.appendleft(req)
+            self._running = False
+            if self._waiters:
+                self._done.notify_all()
             if self._idle:
                 self._work.notify()
 
@@ -209,11 +304,17 @@ class Queue:
         """Run ``req`` (the caller took it with :meth:`_take`) and announce its completion."""
         rt = self._rt
         lean = req._lean
+        parked = req._parked
         try:
-            if lean is not None and rt._nested_owner is None and rt._broken is None:
+            if parked >= 0 or (lean is not None and rt._nested_owner is None and rt._broken is None):
                 # The blocking call's lean path (Runtime._again), for a call that has one: the
                 # run loop, numba's dispatch and the unboxing of three arrays cost 0.3 us here.
-                st = lean[0](lean[1])
+                # A parked request (see restart) holds the engine's state mid-call: it resumes.
+                if parked < 0:
+                    st = lean[0](lean[1])
+                else:
+                    req._parked = -1
+                    st = lean[0](lean[4]) if parked == WAITING else parked
                 b = req._bound
                 if st != OK:
                     limit = rt._timeout if req._timeout is None else config.timeout_s(req._timeout)
@@ -224,6 +325,10 @@ class Queue:
         except BaseException as exc:  # noqa: BLE001  (handed to whoever waits)
             req._error = exc
         req._bound = None  # its buffers are the caller's again
+        self._complete(req)
+
+    def _complete(self, req: Request) -> None:
+        """Announce that ``req``, which the calling thread ran, has completed."""
         with self._lock:
             req._state = _DONE  # (a callback added from now on runs at once: Request._on_done)
             callbacks, req._callbacks = req._callbacks, None

@@ -34,7 +34,7 @@ from shmcoll import collectives, config, jit
 from shmcoll.collectives import KIND_CODE
 from shmcoll.comm import calls, failures
 from shmcoll.comm.calls import Bound, Call
-from shmcoll.comm.requests import Queue, Request
+from shmcoll.comm.requests import Queue, Request, with_trying
 from shmcoll.engine import cpu as engine
 from shmcoll.errors import CommunicatorBrokenError, ConcurrentCallError, ForkedCommunicatorError, ShmcollError
 from shmcoll.kernels.cpu import narrow_bfloat16, widen_bfloat16
@@ -337,9 +337,13 @@ class Runtime:
         if progress is None:
             progress = self._progress = Queue(self)
         if lean is None and type(b) is tuple:
-            m = self._lean[KIND_CODE[b[0].kind]]
+            code = KIND_CODE[b[0].kind]
+            m = self._lean[code]
             if m is not None and len(m) > 9 and m[9] is b:
-                lean = (m[7], m[8], m[10])
+                if len(m) == 11:  # the queue's own records, made at the first start (not every
+                    # blocking call that is remembered starts too)
+                    m = self._lean[code] = (*m, with_trying((m[7], m[8], m[10]), b))
+                lean = m[11]
         return progress.submit(b, timeout, what, lean)
 
     def _run(self, b: Bound, timeout: float | None, queued: bool = False) -> Any:

@@ -34,6 +34,14 @@ Waiting, in three stages, because ranks often outnumber cores here:
    the waiters word, both sequentially consistent, so one of them always sees the other and no
    wake-up is lost. Publishers only make the futex syscall when someone sleeps.
 
+A *trying* run (``S_TRY``, set by :func:`entry_at` for a record made with ``trying=True``)
+spins for ``TRY_SPIN_NS`` at most and neither yields nor sleeps: it returns ``WAITING`` at the
+first wait that outlasts the spin, as a slice's end does. A started operation's first run is one
+(``requests.Queue._admit``): it posts what it can and returns to the caller, and whoever carries
+the operation on resumes it. The short spin is for peers that start at the same time: without
+it every start of an 8-byte allreduce at 2 ranks found its peer's part not yet there, and paid
+a resumption (see requests.py for the figures).
+
 Every message carries the call's tag (seq, sig) in its header, checked on receipt: a peer
 in a different call is reported as ``MISMATCH`` with its tag, instead of mixing data.
 
@@ -196,10 +204,12 @@ READ_FAILED = 6  # cross-memory attach could not read or write a peer's buffer (
     S_LIVE_BASE,
     S_NESTED,
     S_SPIN_CUR,
-) = range(32)
+    S_TRY,
+) = range(33)
 STATE_WORDS = 40  # (room for a few more)
 MIN_SPIN_NS = 1000  # the least an adapted spin lasts (see the module doc)
 SWITCHED_NS = 5000  # a sched_yield longer than this ran another task (one that ran none: < 1 us)
+TRY_SPIN_NS = 2000  # the longest a trying run spins at a wait (see the module doc)
 
 _IN, _OUT, _TMP = 0, 1, 2
 
@@ -214,7 +224,8 @@ def _wait(ctrl, spin_word, word, target, waiters, state, peer, row):  # type: ig
         return OK
     # Spin for a bounded *time*, not a count: a pause costs 10 to 150 cycles depending on the
     # CPU, and a spin that outlasts the peer's time slice only keeps the peer off the core.
-    spin_end = monotonic_ns() + state[S_SPIN_CUR]
+    trying = state[S_TRY] != 0
+    spin_end = monotonic_ns() + (min(state[S_SPIN_CUR], TRY_SPIN_NS) if trying else state[S_SPIN_CUR])
     i = 0
     while True:
         cpu_pause()
@@ -228,6 +239,11 @@ def _wait(ctrl, spin_word, word, target, waiters, state, peer, row):  # type: ig
                 break
             if load_acquire(ctrl, AB_CODE) != 0:
                 return ABORTED
+    if trying:  # a started operation's first run (see entry_at): no yield, no sleep
+        state[S_WAIT_PEER] = peer
+        state[S_WAIT_STEP] = row
+        ctrl[state[S_RANK_WORD] + R_WAIT_PEER] = peer
+        return WAITING
     slice_end = monotonic_ns() + state[S_SLICE_NS]
     yields = state[S_YIELDS]
     j = 0
@@ -492,17 +508,22 @@ def execute(handles, inp, out):  # type: ignore[no-untyped-def]
     return _execute(prog, inp, out, tmp, data, ctrl, state)
 
 
-# The record :func:`entry_at`'s entry points take: the address of the call's handles, then its buffers'.
-(RC_HANDLES, RC_INP, RC_INP_LEN, RC_OUT, RC_OUT_LEN) = range(5)
-RECORD_WORDS = 5
+# The record :func:`entry_at`'s entry points take: the address of the call's handles, then its
+# buffers', then whether the run only tries (RC_TRY: 1 sets S_TRY for the run).
+(RC_HANDLES, RC_INP, RC_INP_LEN, RC_OUT, RC_OUT_LEN, RC_TRY) = range(6)
+RECORD_WORDS = 6
 
 
-def record_for(handles, inp, out):  # type: ignore[no-untyped-def]
-    """The record :func:`entry_at`'s entry points take for these arrays (which the caller must keep alive)."""
+def record_for(handles, inp, out, *, trying: bool = False):  # type: ignore[no-untyped-def]
+    """The record :func:`entry_at`'s entry points take for these arrays (which the caller must keep alive).
+
+    ``trying``: the run returns ``WAITING`` at the first step that would wait, instead of
+    spinning, yielding or sleeping (a started operation's first run: ``requests.Queue.start_now``)."""
     r = np.zeros(RECORD_WORDS, np.int64)
     r[RC_HANDLES] = handles.ctypes.data
     r[RC_INP], r[RC_INP_LEN] = inp.ctypes.data, inp.shape[0]
     r[RC_OUT], r[RC_OUT_LEN] = out.ctypes.data, out.shape[0]
+    r[RC_TRY] = int(trying)
     return r
 
 
@@ -527,7 +548,13 @@ def entry_at(dtype):  # type: ignore[no-untyped-def]
         handles = carray(address_as_pointer(rec[RC_HANDLES], _WORDS), HANDLE_WORDS)
         inp = carray(address_as_pointer(rec[RC_INP], scalar), rec[RC_INP_LEN])
         out = carray(address_as_pointer(rec[RC_OUT], scalar), rec[RC_OUT_LEN])
-        return execute(handles, inp, out)
+        if rec[RC_TRY] == 0:
+            return execute(handles, inp, out)
+        state = carray(address_as_pointer(handles[H_STATE], _WORDS), handles[H_STATE_LEN])
+        state[S_TRY] = 1
+        st = execute(handles, inp, out)
+        state[S_TRY] = 0
+        return st
 
     execute_at.__name__ = execute_at.__qualname__ = f"execute_at_{dtype.name}"
     dispatcher = jit(execute_at)

@@ -178,3 +178,28 @@ def _close_waits_for_started(comm):  # type: ignore[no-untyped-def]
 
 def test_close_lets_started_operations_finish_first(pools) -> None:  # type: ignore[no-untyped-def]
     assert pools.get(2).run(_close_waits_for_started) == [True, True]
+
+
+def _i_form_in_a_loop(comm):  # type: ignore[no-untyped-def]
+    # An i-form repeated on the same arrays takes the lean path (bind._promote); a small one then
+    # runs at its start until its first wait (requests.Queue._admit), and its wait resumes it.
+    from shmcoll.engine.cpu import WAITING
+
+    x, out = np.zeros(4), np.empty(4)
+    seen = []
+    for k in range(4):
+        x[...] = k + comm.rank
+        comm.barrier()
+        if comm.rank == 1:
+            time.sleep(0.2)  # rank 0 starts alone: what it can do without rank 1 is posting
+        req = comm.iallreduce(x, out=out)
+        parked = req._parked == WAITING
+        seen.append((parked, req.wait().tolist()))
+    return seen
+
+
+def test_a_repeated_small_i_form_starts_at_once_and_its_wait_resumes_it(pools) -> None:  # type: ignore[no-untyped-def]
+    first, second = pools.get(2).run(_i_form_in_a_loop)
+    assert [parked for parked, _ in first] == [False, True, True, True]  # bound, then remembered: lean
+    for seen in (first, second):
+        assert [total for _, total in seen] == [[2.0 * k + 1] * 4 for k in range(4)]

@@ -141,8 +141,8 @@ def test_restarted_requests_keep_their_order_and_refuse_a_closed_communicator(po
             assert before_done and gathered == [k] * (2 * n)
 
 
-def _killed_during_restarts(comm, path):  # type: ignore[no-untyped-def]
-    x = np.ones(1 << 14, np.float32)
+def _killed_during_restarts(comm, path, count):  # type: ignore[no-untyped-def]
+    x = np.ones(count, np.float32)
     req = comm.allreduce_init(x)
     req.start()
     req.wait()  # the next starts reuse the request and enter the engine through the lean record
@@ -162,12 +162,103 @@ def _killed_during_restarts(comm, path):  # type: ignore[no-untyped-def]
         f.write(repr((kinds, time.monotonic() - t0)))
 
 
-def test_a_peer_killed_between_restarts_fails_every_wait_within_seconds(tmp_path) -> None:  # type: ignore[no-untyped-def]
+# (64 KiB restarts are queued; 16 bytes run at their start: requests.START_AT_ONCE)
+@pytest.mark.parametrize("count", [1 << 14, 4])
+def test_a_peer_killed_between_restarts_fails_every_wait_within_seconds(tmp_path, count) -> None:  # type: ignore[no-untyped-def]
     path = str(tmp_path / "r")
     with pytest.raises(shmcoll.SpawnError):
-        shmcoll.spawn(_killed_during_restarts, 3, args=(path,), timeout=120)
+        shmcoll.spawn(_killed_during_restarts, 3, args=(path, count), timeout=120)
     for rank in (0, 1):
         with open(f"{path}.{rank}") as f:
             kinds, elapsed = eval(f.read())  # noqa: S307  (a repr we wrote)
         assert kinds[0] == "PeerLostError" and set(kinds[1:]) <= {"PeerLostError", "CommunicatorBrokenError"}, kinds
         assert elapsed < 5.0
+
+
+def _started_at_once(comm):  # type: ignore[no-untyped-def]
+    # A small request found alone in its queue runs at its start as far as it goes without
+    # waiting (requests.Queue.restart). Each case forces one order of arrival with sleeps far
+    # longer than a start; what is checked is where the call stood, never how long it took.
+    from shmcoll.engine.cpu import WAITING
+
+    r = comm.rank
+    x = np.zeros(2, np.int64)
+    y = np.zeros(3, np.int64)
+    req = comm.allreduce_init(x, out=np.empty(2, np.int64))
+    req.start()
+    req.wait()  # (the first start is queued; the later ones are restarts)
+    seen = {}
+
+    # 1. This rank starts first: its start posts its part and parks; its wait carries it on.
+    x[...] = [1 + r, 10]
+    comm.barrier()
+    if r == 1:
+        time.sleep(0.3)
+    req.start()
+    if r == 0:
+        seen["parked"] = req._active._parked == WAITING and not req.done
+    seen["late peer"] = req.wait().tolist()
+
+    # 2. The peer's part is there already: the start completes the call by itself.
+    x[...] = [2 + r, 20]
+    comm.barrier()
+    if r == 0:
+        time.sleep(0.3)
+    req.start()
+    if r == 0:
+        seen["done in start"] = req.done
+    seen["early peer"] = req.wait().tolist()
+
+    # 3. Nobody waits on a parked request: the progress thread carries it on.
+    x[...] = [3 + r, 30]
+    comm.barrier()
+    if r == 1:
+        time.sleep(0.3)
+    req.start()
+    if r == 0:
+        deadline = time.monotonic() + 10
+        while not req.test() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen["progress thread"] = req.done
+    seen["unwaited"] = req.wait().tolist()
+
+    # 4. A blocking call made while a request is parked runs after it.
+    x[...] = [4 + r, 40]
+    y[...] = r
+    comm.barrier()
+    if r == 1:
+        time.sleep(0.3)
+    req.start()
+    total = comm.allreduce(y)
+    seen["blocking after"] = (req.done, req.wait().tolist(), total.tolist())
+    return seen
+
+
+def test_a_small_restart_runs_at_its_start_until_it_would_wait(pools) -> None:  # type: ignore[no-untyped-def]
+    first, second = pools.get(2).run(_started_at_once)
+    assert first["parked"] and first["done in start"] and first["progress thread"]
+    for seen in (first, second):
+        assert seen["late peer"] == [3, 20]
+        assert seen["early peer"] == [5, 40]
+        assert seen["unwaited"] == [7, 60]
+        assert seen["blocking after"] == (True, [9, 80], [1, 1, 1])
+
+
+def _mismatched_restarts(comm):  # type: ignore[no-untyped-def]
+    x = np.ones(8, np.float32)
+    a, g = comm.allreduce_init(x, out=np.empty_like(x)), comm.allgather_init(x)
+    for req in (a, g):  # first starts, queued, matched
+        req.start()
+        req.wait()
+    req = a if comm.rank == 0 else g  # restarts, run at their start: mismatched
+    try:
+        req.start()
+        req.wait()
+    except shmcoll.CollectiveMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_mismatch_found_at_a_start_is_raised_by_the_wait_with_the_blocking_message() -> None:
+    texts = shmcoll.spawn(_mismatched_restarts, 2, timeout=60)
+    assert all("allreduce(" in t and "allgather(" in t for t in texts), texts
