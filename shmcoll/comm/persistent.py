@@ -11,12 +11,18 @@ The buffers belong to the request while it is started; between a ``wait()`` and 
 ``start()`` the caller may read the output and write new input into the same arrays.
 
 What a start saves: a request keeps its way into the engine (``bind.lean_run``: the entry point
-and record of the blocking call's lean path), and a start after the first puts the same request
-back in the queue. Measured at 2 ranks (``benchmarks/latency.py -n 2 --launches 5``, medians):
-start+wait of an 8-byte allreduce 3.07 -> 1.66 us (the blocking call: 0.71, ``iallreduce().wait()``
-2.44), 64 KiB 10.59 -> 9.33 (blocking 7.55). What is left over the blocking call is the queue's
-Python (a lock taken twice, the request's states) and the progress thread's polls, which cost the
-caller's time slices on a machine with fewer cores than threads.
+and record of the blocking call's lean path), and a start after the first reuses the same
+request. Measured at 2 ranks (``benchmarks/latency.py -n 2 --launches 5``, medians): start+wait
+of an 8-byte allreduce 3.07 -> 1.66 us (the blocking call: 0.71, ``iallreduce().wait()`` 2.44),
+64 KiB 10.59 -> 9.33 (blocking 7.55), on an Intel machine. A small request (up to
+``requests.START_AT_ONCE``) that finds nothing ahead of it also runs at its start, until its
+first wait (``requests.Queue.restart``): its peers get its part at once, and one whose peers
+started first completes within ``start()``. On an AMD machine, 3 alternating rounds: 8 bytes
+2.13-2.16 -> 1.63-1.86 us (blocking 0.84-0.98). What is left over the blocking call is the
+queue's Python: its lock, taken twice, and the request's states.
+
+A request is *started* from ``start()`` until a ``wait()`` returns or a ``test()`` returns True
+(or either raises the call's error), as in MPI, even when the call completed within its start.
 """
 
 from __future__ import annotations
