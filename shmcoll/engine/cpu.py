@@ -40,7 +40,7 @@ first wait that outlasts the spin, as a slice's end does. A started operation's 
 (``requests.Queue._admit``): it posts what it can and returns to the caller, and whoever carries
 the operation on resumes it. The short spin is for peers that start at the same time: without
 it every start of an 8-byte allreduce at 2 ranks found its peer's part not yet there, and paid
-a resumption (see requests.py for the figures).
+a resumption (figures in comm/persistent.py).
 
 Every message carries the call's tag (seq, sig) in its header, checked on receipt: a peer
 in a different call is reported as ``MISMATCH`` with its tag, instead of mixing data.
