@@ -189,32 +189,28 @@ def _started_at_once(comm):  # type: ignore[no-untyped-def]
     req.wait()  # (the first start is queued; the later ones are restarts)
     seen = {}
 
+    def start(k: int, late: int) -> None:  # new input, then a start with rank ``late`` 0.3 s late
+        x[...] = [k + r, 10 * k]
+        y[...] = r
+        comm.barrier()
+        if r == late:
+            time.sleep(0.3)
+        req.start()
+
     # 1. This rank starts first: its start posts its part and parks; its wait carries it on.
-    x[...] = [1 + r, 10]
-    comm.barrier()
-    if r == 1:
-        time.sleep(0.3)
-    req.start()
+    start(1, late=1)
     if r == 0:
         seen["parked"] = req._active._parked == WAITING and not req.done
     seen["late peer"] = req.wait().tolist()
 
     # 2. The peer's part is there already: the start completes the call by itself.
-    x[...] = [2 + r, 20]
-    comm.barrier()
-    if r == 0:
-        time.sleep(0.3)
-    req.start()
+    start(2, late=0)
     if r == 0:
         seen["done in start"] = req.done
     seen["early peer"] = req.wait().tolist()
 
     # 3. Nobody waits on a parked request: the progress thread carries it on.
-    x[...] = [3 + r, 30]
-    comm.barrier()
-    if r == 1:
-        time.sleep(0.3)
-    req.start()
+    start(3, late=1)
     if r == 0:
         deadline = time.monotonic() + 10
         while not req.test() and time.monotonic() < deadline:
@@ -223,12 +219,7 @@ def _started_at_once(comm):  # type: ignore[no-untyped-def]
     seen["unwaited"] = req.wait().tolist()
 
     # 4. A blocking call made while a request is parked runs after it.
-    x[...] = [4 + r, 40]
-    y[...] = r
-    comm.barrier()
-    if r == 1:
-        time.sleep(0.3)
-    req.start()
+    start(4, late=1)
     total = comm.allreduce(y)
     seen["blocking after"] = (req.done, req.wait().tolist(), total.tolist())
     return seen
