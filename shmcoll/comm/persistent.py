@@ -16,7 +16,7 @@ request. Measured at 2 ranks (``benchmarks/latency.py -n 2 --launches 5``, media
 of an 8-byte allreduce 3.07 -> 1.66 us (the blocking call: 0.71, ``iallreduce().wait()`` 2.44),
 64 KiB 10.59 -> 9.33 (blocking 7.55), on an Intel machine. A small request (up to
 ``requests.START_AT_ONCE``) that finds nothing ahead of it also runs at its start, until its
-first wait (``requests.Queue.restart``): its peers get its part at once, and one whose peers
+first wait (``requests.Queue._admit``): its peers get its part at once, and one whose peers
 started first completes within ``start()``. On an AMD machine, 3 alternating rounds: 8 bytes
 2.13-2.16 -> 1.63-1.86 us (blocking 0.84-0.98). What is left over the blocking call is the
 queue's Python: its lock, taken twice, and the request's states.

@@ -116,9 +116,9 @@ class Request:
         self._since = since
         self._bound = bound
         # (entry point, record address, record[, trying record's address, resume record's
-        # address, those records]): see Queue._run and Queue.restart
+        # address, those records]): see Queue._run and Queue._admit
         self._lean = lean
-        self._parked = -1  # the status its first run stopped at (Queue.restart), else -1
+        self._parked = -1  # the status its first run stopped at (Queue._admit), else -1
         self._timeout = timeout
         self._state = _PENDING
         self._result: Any = None

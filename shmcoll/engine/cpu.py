@@ -517,8 +517,9 @@ RECORD_WORDS = 6
 def record_for(handles, inp, out, *, trying: bool = False):  # type: ignore[no-untyped-def]
     """The record :func:`entry_at`'s entry points take for these arrays (which the caller must keep alive).
 
-    ``trying``: the run returns ``WAITING`` at the first step that would wait, instead of
-    spinning, yielding or sleeping (a started operation's first run: ``requests.Queue.start_now``)."""
+    ``trying``: the run returns ``WAITING`` at the first wait that outlasts ``TRY_SPIN_NS`` of
+    spinning, instead of yielding or sleeping (a started operation's first run:
+    ``requests.Queue._admit``)."""
     r = np.zeros(RECORD_WORDS, np.int64)
     r[RC_HANDLES] = handles.ctypes.data
     r[RC_INP], r[RC_INP_LEN] = inp.ctypes.data, inp.shape[0]

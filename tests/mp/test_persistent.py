@@ -177,7 +177,7 @@ def test_a_peer_killed_between_restarts_fails_every_wait_within_seconds(tmp_path
 
 def _started_at_once(comm):  # type: ignore[no-untyped-def]
     # A small request found alone in its queue runs at its start as far as it goes without
-    # waiting (requests.Queue.restart). Each case forces one order of arrival with sleeps far
+    # waiting (requests.Queue._admit). Each case forces one order of arrival with sleeps far
     # longer than a start; what is checked is where the call stood, never how long it took.
     from shmcoll.engine.cpu import WAITING
 
