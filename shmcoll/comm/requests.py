@@ -202,10 +202,8 @@ class Queue:
 
     # --- submitting ---------------------------------------------------------------------------
     def submit(self, bound: Any, timeout: float | None, what: str, lean: Any = None) -> Request:
-        now = time.monotonic()
-        req = Request(self, bound, timeout, what, now, lean)
+        req = Request(self, bound, timeout, what, 0.0, lean)  # (_admit sets its time if queued)
         with self._lock:
-            self._active_until = now + _ACTIVE_S
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._serve, name=f"shmcoll-progress-r{self._rt.rank}", daemon=True
@@ -219,25 +217,13 @@ class Queue:
     def restart(self, req: Request, bound: Any) -> None:
         """Start a completed request again on ``bound`` (a persistent request's; the caller
         checked that it is done, and that nothing holds or broke the communicator):
-        :meth:`submit` without making a request (and :meth:`_admit` written out: a persistent
-        start is all overhead)."""
+        :meth:`submit` without making a request."""
         req._bound = bound
         req._result = req._error = None
-        lean = req._lean
         with self._lock:
-            self.pending += 1
-            if lean is None or len(lean) < 4 or self._running or self._items:
-                now = time.monotonic()
-                req._since = now
-                self._active_until = now + _ACTIVE_S
-                req._state = _PENDING
-                self._items.append(req)
-                if self._idle:
-                    self._work.notify()
-                return
-            req._state = _RUNNING
-            self._running = True
-        self._ran_at_start(req, lean[0](lean[3]))
+            now_here = self._admit(req)
+        if now_here:
+            self._run_at_start(req)
 
     def _admit(self, req: Request) -> bool:
         """Queue ``req``, or take it to run at its start (True; call with the lock held).
@@ -248,12 +234,16 @@ class Queue:
         *parked*, for the first thread that waits on it (or the progress thread, after its
         grace) to carry on from there. So a start posts what this rank sends while the caller
         goes on, a start followed by a wait costs one run and one resumption instead of the
-        queue's hand-off, and a request whose peers were there already completes in its start.
+        queue's hand-off, and a request whose peers were there already completes in its start
+        (and needs no polls of the progress thread: only a queued or parked one starts them).
         (``_runner`` stays 0 meanwhile: it is for :meth:`drain` in the thread that runs an
         operation, and no other Python code runs in this thread until the run returns.)"""
         self.pending += 1
         lean = req._lean
         if lean is None or len(lean) < 4 or self._running or self._items:
+            now = time.monotonic()
+            req._since = now
+            self._active_until = now + _ACTIVE_S
             req._state = _PENDING
             self._items.append(req)
             if self._idle:
@@ -264,12 +254,10 @@ class Queue:
         return True
 
     def _run_at_start(self, req: Request) -> None:
-        """Run ``req`` (taken by :meth:`_admit`) until it completes or would wait."""
+        """Run ``req`` (taken by :meth:`_admit`) until it completes or would wait; complete it,
+        or park it at the queue's head."""
         lean = req._lean
-        self._ran_at_start(req, lean[0](lean[3]))
-
-    def _ran_at_start(self, req: Request, st: int) -> None:
-        """Complete ``req``, whose trying run returned ``st``, or park it at the queue's head."""
+        st = lean[0](lean[3])
         if st == OK:
             req._result = req._bound[3]
             req._bound = None
@@ -309,7 +297,7 @@ class Queue:
             if parked >= 0 or (lean is not None and rt._nested_owner is None and rt._broken is None):
                 # The blocking call's lean path (Runtime._again), for a call that has one: the
                 # run loop, numba's dispatch and the unboxing of three arrays cost 0.3 us here.
-                # A parked request (see restart) holds the engine's state mid-call: it resumes.
+                # A parked request (see _admit) holds the engine's state mid-call: it resumes.
                 if parked < 0:
                     st = lean[0](lean[1])
                 else:
