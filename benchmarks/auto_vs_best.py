@@ -46,9 +46,19 @@ def auto_pick(
     table; else the communicator's own choice (``SHMCOLL_TUNE_FILE``, ``SHMCOLL_ALGO``)."""
     count = total_count // world_size if collectives.get(collective).blocked else total_count
     cfg = config.get()
-    # (as the communicator asks: cross-memory attach competes where this machine permits it)
+    # (as the communicator asks: cross-memory attach competes where this machine permits it, from
+    # sizes that depend on how fast its kernel copies; this process's own measurement of that)
     permitted = not registered and cma.probe()[0]
-    query = Query(collective, world_size, count, itemsize, root=0, registered=registered, cma=permitted)
+    query = Query(
+        collective,
+        world_size,
+        count,
+        itemsize,
+        root=0,
+        registered=registered,
+        cma=permitted,
+        cma_block_ns=cma.block_ns() if permitted and world_size > 1 else 0,
+    )
     if table is not None:
         return select.decide(query, table=table, slot_bytes=cfg.slot_bytes, nslots=cfg.nslots).algorithm.name
     return select.choose(query, "auto", slot_bytes=cfg.slot_bytes, nslots=cfg.nslots).name

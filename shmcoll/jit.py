@@ -46,6 +46,7 @@ _JITTED_SOURCES = (
     "shm/layout.py",
     "shm/liveness.py",
     "shm/arena.py",
+    "shm/cma.py",
 )
 
 

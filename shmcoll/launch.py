@@ -51,7 +51,7 @@ from shmcoll import config
 from shmcoll.comm import Communicator
 from shmcoll.engine import cpu as engine
 from shmcoll.errors import ShmcollError, SpawnError
-from shmcoll.shm import layout
+from shmcoll.shm import cma, layout
 from shmcoll.shm.arena import Arena, ArenaHandle
 from shmcoll.shm.janitor import Janitor
 from shmcoll.shm.segment import new_token, unlink_job
@@ -70,6 +70,7 @@ _GRACE_S = 5.0  # how long survivors of a failure get to report before they are 
 def warm_kernels(dtypes: Sequence[np.dtype] = WARM_DTYPES) -> None:
     """Compile (or load from the cache) the engine for ``dtypes`` in this process."""
     engine.warm(dtypes)
+    cma.warm()
 
 
 def _set_parent_death_signal() -> None:

@@ -44,7 +44,8 @@ traffic per rank: it reads what it sends once and each output byte is written on
 reductions: and each peer's part once more, from the cache).
 Constraints: cross-memory attach must be permitted (``Query.cma``). ``auto`` weighs it
 only from :func:`auto_from` on (a system call per block and the syncs cost what the cost model
-does not see), not for broadcasts from 1 to 16 MiB at 3 ranks and more (see
+does not see; at 2 ranks from 2-4x those sizes on a machine whose kernel copies slowly,
+:data:`SLOW_BLOCK_NS`), not for broadcasts from 1 to 16 MiB at 3 ranks and more (see
 :func:`_broadcast_skips`), with the
 model or the tune table's measurements; for the reductions it is preferred from there on up to 4
 ranks (:func:`_preferred`); asked for by name it serves any size.
@@ -102,6 +103,42 @@ def _broadcast_from(world_size: int) -> int:
     return 32 << 10 if world_size <= 2 else auto_from(world_size)
 
 
+# Where a cross-memory-attach copy of a 16 KiB block takes longer than this (``Query.cma_block_ns``,
+# measured once per communicator), ``auto`` weighs cma at 2 ranks only from twice the sizes above,
+# which were measured on an Intel VM where the kernel copied near a user-space copy's speed. On
+# an AMD VM such a copy takes 2.4-2.8 us (a 64-byte one 1.25, a 1 MiB one 3.4x numpy's time;
+# numpy copies 16 KiB in 0.7), and out of place at 2 ranks (``shmcoll bench -n 2 -a
+# auto,cma,ring,direct,... --out-of-place``, 2-3 launches) cma took at 32 KiB 5.1 us against 3.7
+# for the rings' allgather, 5.1-7.0 against 3.9-4.0 for ``direct``'s alltoall, a tie in
+# broadcast; at 64 KiB gather 5.7-7.0 against 4.8-5.0 for ``direct``, scatter 5.8-6.4 against
+# 5.4-6.8, reduce_scatter 6.8-9.7 against 6.0-7.9; from 64 KiB (broadcast, allgather, alltoall)
+# and 128 KiB (the others) it was as fast or faster. alltoall waits for 128 KiB too: ``auto`` cannot
+# tell in place from out of place, and in place its swaps took 8.2 us at 64 KiB against 5.7 for
+# ``direct`` (out of place a tie, 6.5-6.6 against 6.5-8.3; 128 KiB a tie in place, cma 1.2x
+# faster out of place). allreduce keeps its sizes: at 64 KiB cma
+# took 10.9-15.6 us, ``direct`` 10.6-12.9 and the model's pick without cma, ``ring``, 11.9-14.1.
+# The Intel VM's copy time was not measured (that machine has not been lent since); its whole cma
+# calls at 32 KiB took 2.99-3.18 us, two syncs included, so the limit sits below the AMD VM's
+# times with a margin, not midway between two measurements.
+SLOW_BLOCK_NS = 2000
+
+
+def _slow_kernel(query: Query, size: int, auto_from: Callable[[int], int], times: int = 2) -> bool:
+    """Whether ``auto`` leaves a call of ``size`` bytes to the rings because this machine's kernel
+    copies slowly (see :data:`SLOW_BLOCK_NS`): below ``times`` its ``auto_from`` at 2 ranks."""
+    n = query.world_size
+    return n <= 2 and query.cma_block_ns > SLOW_BLOCK_NS and size < times * auto_from(n)
+
+
+def _skips(auto_from: Callable[[int], int], times: int = 2) -> Callable[[Query, int], bool]:
+    """``Algorithm.auto_skip`` for a collective whose cma plan ``auto`` weighs from ``auto_from``."""
+
+    def skip(query: Query, size: int) -> bool:
+        return _slow_kernel(query, size, auto_from, times)
+
+    return skip
+
+
 def _permitted(query: Query) -> str | None:
     if query.registered:
         return "buffers from comm.alloc are read in place by zerocopy"
@@ -113,7 +150,7 @@ def _permitted(query: Query) -> str | None:
 _whole = zerocopy._whole  # no slots carry data, so a call is never cut into pieces
 
 
-def _broadcast_skips(world_size: int, size: int) -> bool:
+def _broadcast_skips(query: Query, size: int) -> bool:
     """Where ``auto`` leaves broadcast to the rings although cma is weighed below and above: from
     1 MiB to 16 MiB at 3 ranks and more. In place (the form MPI's and torch's broadcast have) the
     rings were faster there at 4 ranks (``shmcoll bench -c broadcast -a cma,ring,dbtree``, two
@@ -123,8 +160,9 @@ def _broadcast_skips(world_size: int, size: int) -> bool:
     writes its share, cma is the faster one in place at every size from 128 KiB (2 MiB 64 against
     150 us, 8 MiB 312-328 against 650-662) and out of place from 256 KiB (1 MiB 42 against 93 us,
     16 MiB 1279 against 2005). Out of place at 4 ranks cma was faster than the rings from 4 MiB
-    (4 MiB 758 against 875 us, 16 MiB 2878 against 4253): the rings there are in place's pick."""
-    return world_size > 2 and 1 << 20 <= size < 16 << 20
+    (4 MiB 758 against 875 us, 16 MiB 2878 against 4253): the rings there are in place's pick.
+    And at 2 ranks below 64 KiB where the kernel copies slowly (:func:`_slow_kernel`)."""
+    return (query.world_size > 2 and 1 << 20 <= size < 16 << 20) or _slow_kernel(query, size, _broadcast_from)
 
 
 # Elements from which an out-of-place broadcast's peers fill part of the root's output (2 ranks,
@@ -170,7 +208,7 @@ def _around(r: int, n: int) -> list[int]:
     return [(r + k) % n for k in range(1, n)]
 
 
-@register("allgather", "cma", piece=_whole, supports=_permitted, auto_from=_blocks_from)
+@register("allgather", "cma", piece=_whole, supports=_permitted, auto_from=_blocks_from, auto_skip=_skips(_blocks_from))
 def allgather(ctx: Context) -> None:
     """Every rank copies its input into its own block, then writes it into every peer's. The own
     copy comes before the first sync (it touches nothing a peer reads or writes), so a rank that
@@ -186,7 +224,7 @@ def allgather(ctx: Context) -> None:
     zerocopy.sync(ctx)
 
 
-@register("gather", "cma", piece=_whole, supports=_permitted, auto_from=_gather_from)
+@register("gather", "cma", piece=_whole, supports=_permitted, auto_from=_gather_from, auto_skip=_skips(_gather_from))
 def gather(ctx: Context) -> None:
     """Every rank writes its input into its block of the root's output (the root copies its own
     unless in place)."""
@@ -200,7 +238,9 @@ def gather(ctx: Context) -> None:
     zerocopy.sync(ctx)
 
 
-@register("alltoall", "cma", piece=_whole, supports=_permitted, auto_from=_blocks_from)
+@register(
+    "alltoall", "cma", piece=_whole, supports=_permitted, auto_from=_blocks_from, auto_skip=_skips(_blocks_from, 4)
+)
 def alltoall(ctx: Context) -> None:
     """Rank ``r`` writes block ``j`` of its input into block ``r`` of rank ``j``'s output, after
     copying its own block before its first sync (as allgather). In place (see :func:`_swaps`)
@@ -242,7 +282,7 @@ def _swaps(ctx: Context) -> None:
     zerocopy.sync(ctx)
 
 
-@register("scatter", "cma", piece=_whole, supports=_permitted, auto_from=auto_from)
+@register("scatter", "cma", piece=_whole, supports=_permitted, auto_from=auto_from, auto_skip=_skips(auto_from))
 def scatter(ctx: Context) -> None:
     """Rank ``r`` copies block ``r`` of the root's input; the root, its own unless in place."""
     n, root, count = ctx.world_size, ctx.root, ctx.count
@@ -366,6 +406,7 @@ def _reduce_scatter_from(world_size: int) -> int:
     piece=_whole,
     supports=_reduction_permitted,
     auto_from=_reduce_scatter_from,
+    auto_skip=_skips(_reduce_scatter_from),
     auto_prefer=_preferred(_reduce_scatter_from),
 )
 def reduce_scatter(ctx: Context) -> None:

@@ -50,7 +50,7 @@ class Algorithm:
     :meth:`piece_count`. ``supports(query)`` returns ``None`` when the algorithm can serve the
     call, else the reason it cannot. ``auto_from(world_size)``: the automatic choice considers it
     only for calls of at least this size (``select.call_size``), and not where
-    ``auto_skip(world_size, size)`` holds; asked for by name it serves any. Where
+    ``auto_skip(query, size)`` holds; asked for by name it serves any. Where
     ``auto_prefer(world_size, size)`` holds, the automatic choice takes it without asking the
     cost model (a measured advantage the model cannot see); a tune table's measurements still
     decide. (There is no rule on in place: it is per rank, and every rank of a call must choose
@@ -65,13 +65,13 @@ class Algorithm:
     doc: str
     options_piece: OptionsPieceRule | None = None
     auto_from: Callable[[int], int] = _anywhere
-    auto_skip: Callable[[int, int], bool] | None = None
+    auto_skip: Callable[[Query, int], bool] | None = None
     auto_prefer: Callable[[int, int], bool] | None = None
 
     def for_auto(self, query: Query, size: int) -> bool:
         """Whether the automatic choice weighs this algorithm for ``query`` (``size`` bytes)."""
         n = query.world_size
-        return self.auto_from(n) <= size and (self.auto_skip is None or not self.auto_skip(n, size))
+        return self.auto_from(n) <= size and (self.auto_skip is None or not self.auto_skip(query, size))
 
     def piece_count(self, slot_capacity: int, world_size: int, options: Mapping[str, object] | None = None) -> int:
         """The piece for a call with these builder options (see the class docstring)."""
@@ -104,7 +104,7 @@ def register(
     supports: Supports = _always,
     options_piece: OptionsPieceRule | None = None,
     auto_from: Callable[[int], int] | None = None,
-    auto_skip: Callable[[int, int], bool] | None = None,
+    auto_skip: Callable[[Query, int], bool] | None = None,
     auto_prefer: Callable[[int, int], bool] | None = None,
 ) -> Callable[[Builder], Builder]:
     """Register ``build`` as algorithm ``name`` of ``collective``."""

@@ -25,6 +25,9 @@ class Query:
     inplace: bool = False
     registered: bool = False  # this rank's shared buffers come from comm.alloc
     cma: bool = False  # ranks may read each other's memory (cross-memory attach, shm.cma.probe)
+    # What a cross-memory-attach copy of a 16 KiB block takes on this machine, the same on every
+    # rank (shm.cma.block_ns, agreed through the arena); 0: not measured.
+    cma_block_ns: int = 0
 
     @property
     def nbytes(self) -> int:

@@ -182,7 +182,15 @@ class Arena:
     def agree_group_size(self, value: int) -> int:
         """Propose ``value`` (>= 1) as the ranks per group of hierarchical plans; returns the agreed
         one: the first proposal wins (a compare-and-swap from 0), so every rank sees the same."""
-        found = int(atomic_cas(self.ctrl, layout.A_GROUP_SIZE, 0, value))
+        return self._agree(layout.A_GROUP_SIZE, value)
+
+    def agree_cma_block_ns(self, value: int) -> int:
+        """Propose ``value`` (>= 1) as the time of a cross-memory-attach copy of a 16 KiB block
+        (``shm.cma.block_ns``); returns the agreed one, as :meth:`agree_group_size`."""
+        return self._agree(layout.A_CMA_BLOCK_NS, value)
+
+    def _agree(self, word: int, value: int) -> int:
+        found = int(atomic_cas(self.ctrl, word, 0, value))
         return value if found == 0 else found
 
     def deregister(self, rank: int, failed: bool = False) -> None:

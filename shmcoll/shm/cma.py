@@ -17,6 +17,14 @@ once per process, before any call is planned:
 Every rank of a machine decides the same way (same kernel settings, same user), so the plans
 they choose agree. If a peer's memory is refused anyway (a process that is not dumpable, ranks
 of different users), the call fails with an error that names ``SHMCOLL_CMA=0`` as the remedy.
+
+How fast the kernel copies differs between machines far more than a user-space copy does: on
+one 2-core Intel VM a cma allreduce of 1 MiB took 64 us, on a 2-core AMD VM 100-118, where a
+``process_vm_readv`` of 64 bytes takes 1.25 us and a 1 MiB one is 3.4x slower than numpy's
+copy. Where cma starts to pay (``algos/cma.py``'s ``auto_from``) moves with it, so
+:func:`block_ns` measures it once per process. Its answer is noisy, and the ranks of a call
+must choose alike, so ranks take the time of the first of them to measure it (through the
+arena, ``comm.calls.cma_block_ns``), not their own.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ import os
 import numpy as np
 
 from shmcoll import config
+from shmcoll.jit import jit
+from shmcoll.shm.atomics import monotonic_ns, vm_copy
 
 PR_SET_PTRACER = 0x59616D61
 PR_SET_PTRACER_ANY = ctypes.c_ulong(-1 % (1 << 64))
@@ -54,8 +64,6 @@ def probe() -> tuple[bool, str]:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0) != 0:
             return False, f"off: prctl(PR_SET_PTRACER) failed ({os.strerror(ctypes.get_errno())})"
-    from shmcoll.shm.atomics import vm_copy
-
     src = np.arange(512, dtype=np.int64)
     dst = np.zeros_like(src)
     if not vm_copy(os.getpid(), dst.ctypes.data, src.ctypes.data, src.nbytes, False) or not np.array_equal(src, dst):
@@ -66,3 +74,39 @@ def probe() -> tuple[bool, str]:
     return True, "on: process_vm_readv/writev" + (
         " (Yama scope 1: peers allowed with PR_SET_PTRACER)" if scope == 1 else ""
     )
+
+
+# The block a cma call moves at the size where ``auto`` starts to weigh it at 2 ranks (a 32 KiB
+# allgather or alltoall moves 16 KiB blocks), so that the kernel's fixed cost per call counts as
+# much as in such a call.
+BLOCK_BYTES = 16 << 10
+
+
+@jit
+def _copy_ns(pid, to, frm, nbytes, reps):  # type: ignore[no-untyped-def]
+    """Nanoseconds of ``reps`` cross-memory-attach copies of ``nbytes`` from address ``frm`` to
+    ``to`` in process ``pid`` (addresses, not arrays: jit's compile notice would take arrays
+    for a payload and announce an engine's compile)."""
+    t0 = monotonic_ns()
+    for _ in range(reps):
+        vm_copy(pid, to, frm, nbytes, False)
+    return monotonic_ns() - t0
+
+
+def warm() -> None:
+    """Compile (or load from the cache) what :func:`block_ns` runs, before ranks start."""
+    _copy_ns(os.getpid(), 0, 0, 0, 0)
+
+
+@functools.lru_cache(maxsize=1)
+def block_ns() -> int:
+    """Nanoseconds a cross-memory-attach copy of a 16 KiB block takes here (the best of 5
+    rounds of 8 copies of this process's own memory: about 0.3 ms); 0 where cross-memory attach
+    is off. The answer is kept for the process's life."""
+    if not probe()[0]:
+        return 0
+    src = np.ones(BLOCK_BYTES, np.uint8)
+    dst = np.zeros_like(src)
+    where = os.getpid(), dst.ctypes.data, src.ctypes.data, BLOCK_BYTES
+    _copy_ns(*where, 2)  # fault the pages in
+    return max(1, min(int(_copy_ns(*where, 8)) for _ in range(5)) // 8)

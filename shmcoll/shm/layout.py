@@ -7,6 +7,7 @@ so a rank polling its own word never steals a line another rank is writing::
     byte 0    +--------------------------------------------------------------------+
               | header     MAGIC VERSION TOKEN WORLD_SIZE NSLOTS SLOT_BYTES TOTAL   |  line 0
               | attach     ATTACHED (fetch_add at connect)  DETACHED  GROUP_SIZE     |  line 1
+              |            CMA_BLOCK_NS                                            |
               | abort      CODE ORIGIN PEER SEQ SIG STEP DETAIL OWN_SEQ             |  line 2
     192       +--------------------------------------------------------------------+
               | rank r     PID START STATE CUR_SEQ CUR_SIG CUR_STEP DONE_SEQ DONE_SIG|  2 lines
@@ -92,8 +93,8 @@ LINE = 64
 WORDS_PER_LINE = LINE // 8
 CELL = LINE  # a ring's unit: a message takes whole cells
 MAGIC = 0x6C6C6F636D687300  # "\0shmcoll" little endian: a header that is not ours fails fast
-VERSION = 6  # 2: A_GROUP_SIZE; 3: rank records with WAIT_PEER, liveness lines; 4: mailboxes; 5: 3-line channels, MSG;
-# 6: rings of cells
+VERSION = 7  # 2: A_GROUP_SIZE; 3: rank records with WAIT_PEER, liveness lines; 4: mailboxes; 5: 3-line channels, MSG;
+# 6: rings of cells; 7: A_CMA_BLOCK_NS
 SLOT_HEADER_BYTES = 32
 
 # Header words (int64 index).
@@ -101,6 +102,7 @@ H_MAGIC, H_VERSION, H_TOKEN, H_WORLD_SIZE, H_NSLOTS, H_SLOT_BYTES, H_TOTAL = ran
 A_ATTACHED = 8  # line 1
 A_DETACHED = 9
 A_GROUP_SIZE = 10  # ranks per group for hierarchical plans, set by the first rank to need it (0: not yet)
+A_CMA_BLOCK_NS = 11  # shm.cma.block_ns as the first rank to need it measured it (0: not yet)
 # Abort line (line 2): the first failing rank fills it, then publishes CODE last.
 AB_CODE = 16
 AB_ORIGIN = 17

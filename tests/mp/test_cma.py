@@ -13,6 +13,7 @@ import pytest
 from harness import run_ranks
 
 from shmcoll import config
+from shmcoll.algos.cma import SLOW_BLOCK_NS
 from shmcoll.algos.select import choose, decide
 from shmcoll.errors import UnsupportedError
 from shmcoll.plan.algorithm import Query
@@ -132,6 +133,60 @@ def test_auto_weighs_cma_only_for_large_calls() -> None:
     assert reason.algorithm.name != "cma"  # an override it cannot serve is skipped (and logged)
 
 
+def test_auto_waits_for_larger_calls_where_the_kernel_copies_slowly() -> None:
+    def pick(collective: str, nbytes: int, block_ns: int, n: int = 2, inplace: bool = False) -> str:
+        blocked = collective in ("allgather", "alltoall", "scatter", "gather", "reduce_scatter")
+        count = nbytes // 4 // (n if blocked else 1)
+        query = Query(collective, n, count, 4, inplace=inplace, cma=True, cma_block_ns=block_ns)
+        return decide(query, overrides="", table=None).algorithm.name
+
+    slow, fast = SLOW_BLOCK_NS + 500, SLOW_BLOCK_NS - 500
+    for collective in ("allgather", "alltoall", "broadcast"):  # 2 ranks: 32 KiB, or 64 where slow
+        assert pick(collective, 32 << 10, fast) == "cma" and pick(collective, 32 << 10, 0) == "cma", collective
+        assert pick(collective, 32 << 10, slow) != "cma", collective
+        if collective != "alltoall":
+            assert pick(collective, 64 << 10, slow) == "cma", collective
+    for collective in ("gather", "scatter", "reduce_scatter", "alltoall"):  # 64 KiB, or 128 where slow
+        assert pick(collective, 64 << 10, fast) == "cma", collective
+        assert pick(collective, 64 << 10, slow) != "cma" and pick(collective, 128 << 10, slow) == "cma", collective
+    assert pick("allreduce", 64 << 10, slow) == "cma"  # measured: the others were no faster there
+    # Only 2 ranks' sizes move (above, cma's sizes were measured with the syncs' cost in them)
+    assert pick("allgather", 256 << 10, slow, n=4) == "cma" and pick("allgather", 128 << 10, fast, n=4) != "cma"
+    for inplace in (False, True):  # still one choice whatever a rank's in-place
+        assert choose(Query("alltoall", 2, 4 << 10, 4, inplace=inplace, cma=True, cma_block_ns=slow)).name != "cma"
+
+
+def _agreed(comm) -> tuple[int, list[str], bool]:  # type: ignore[no-untyped-def]
+    """Each rank pretends to have measured another copy time; rank 0 asks first, rank 1 after."""
+    from shmcoll.comm import calls
+
+    own = cma.block_ns
+    cma.block_ns = lambda: (SLOW_BLOCK_NS + 500) if comm.rank == 0 else (SLOW_BLOCK_NS - 500)
+    sub = comm.split(0)  # an arena of its own: the pool's may have agreed on a time before
+    try:
+        if sub.rank == 1:
+            sub.barrier()
+        agreed = calls.cma_block_ns(sub)
+        if sub.rank == 0:
+            sub.barrier()
+        g = sub.allgather(np.full(4 << 10, sub.rank, np.float32))  # 32 KiB out: cma only where fast
+        labels = [c.label for c in sub._calls.values() if c.kind == "allgather"]
+        return agreed, labels, bool((g[1] == 1).all() and (g[0] == 0).all())
+    finally:
+        sub.close()
+        cma.block_ns = own  # the pool's processes live on
+
+
+@permitted
+def test_ranks_take_the_first_measured_copy_time() -> None:
+    """Every rank takes the time rank 0 published, though rank 1 measured one on the other side
+    of the limit: both choose the rings for a 32 KiB allgather, and it runs."""
+    results = run_ranks(_agreed, 2, timeout=60)
+    assert [agreed for agreed, _, _ in results] == [SLOW_BLOCK_NS + 500] * 2
+    for _, labels, right in results:
+        assert right and len(labels) == 1 and "cma" not in labels[0], labels
+
+
 def _refused(comm) -> tuple[str, str, bool]:  # type: ignore[no-untyped-def]
     x = np.full(1 << 18, comm.rank, np.float32)
     try:
@@ -159,6 +214,10 @@ def test_info_and_debug_say_whether_it_is_on() -> None:
         env={**os.environ, **env_off},
     )
     assert info.returncode == 0 and "cross-memory attach" in info.stdout and "off (SHMCOLL_CMA=0)" in info.stdout
+    assert "16 KiB block" not in info.stdout
+    if cma.probe()[0]:  # and how fast the kernel copies here, which moves auto's sizes
+        info = subprocess.run([sys.executable, "-m", "shmcoll.cli", "info"], capture_output=True, text=True, timeout=60)
+        assert info.returncode == 0 and "copies a 16 KiB block in" in info.stdout, info.stdout
     code = "import shmcoll; shmcoll.init().close()"
     run = subprocess.run(
         [sys.executable, "-c", code],
