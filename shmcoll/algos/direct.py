@@ -129,7 +129,17 @@ def reduce(ctx: Context) -> None:
     )
 
 
-@register("allreduce", "direct")
+def _two_ranks_below_cma(world_size: int, size: int) -> bool:
+    """``Algorithm.auto_prefer`` for allreduce: at 2 ranks below 64 KiB (where cma's measured
+    advantage starts, ``algos/cma.py``), one round of whole pieces beats the rings' two rounds of
+    halves, though the built-in cost model says otherwise from 16 KiB (an AMD VM, ``shmcoll bench
+    -n 2 -c allreduce -a auto,direct,ring,... --both``, 2 launches: 16 KiB 3.4-3.5 us against 4.0
+    for ``ring``, the model's pick; 32 KiB 5.7-7.6 against 6.6-9.1; 64 KiB 10.2-10.7 against
+    11.8-12.0, in place and out of place alike). A tune table's measurements still decide."""
+    return world_size == 2 and size < 64 << 10
+
+
+@register("allreduce", "direct", auto_prefer=_two_ranks_below_cma)
 def allreduce(ctx: Context) -> None:
     """Each rank sends its input to every rank; every rank combines all in rank order."""
     count = ctx.count

@@ -364,3 +364,19 @@ def test_dbtree_waits_for_large_calls_at_two_ranks(collective: str) -> None:
         assert picked != "dbtree", (nbytes, picked)
     assert registry.get(collective, "dbtree").auto_from(2) == 16 * KB
     assert registry.get(collective, "dbtree").auto_from(3) == 0
+
+
+def test_allreduce_at_two_ranks_runs_direct_below_cma() -> None:
+    """At 2 ranks one round of whole pieces beat the rings' two rounds of halves at every size
+    measured below cma's (the built-in model took the rings from 16 KiB); 3 ranks and a tune
+    table's measurements are untouched."""
+    for nbytes in (8, 4 * KB, 16 * KB, 64 * KB - 4):
+        decision = decide(Query("allreduce", 2, nbytes // 4, 4), slot_bytes=64 * KB)
+        assert decision.algorithm.name == "direct", nbytes
+    assert decide(Query("allreduce", 2, 16 * KB // 4, 4), slot_bytes=64 * KB).reason == "preferred"
+    assert decide(Query("allreduce", 2, 64 * KB // 4, 4, cma=True), slot_bytes=64 * KB).algorithm.name == "cma"
+    assert decide(Query("allreduce", 3, 32 * KB // 4, 4), slot_bytes=64 * KB).reason != "preferred"
+    sizes = (16 * KB,)
+    ring_faster = {"direct": (9e-6,), "ring": (4e-6,)}
+    table = TuneTable(MODEL, 64 * KB, (Measured("allreduce", 2, sizes, ring_faster),), "synthetic")
+    assert decide(Query("allreduce", 2, 16 * KB // 4, 4), table=table, slot_bytes=64 * KB).algorithm.name == "ring"
