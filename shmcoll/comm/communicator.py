@@ -1215,7 +1215,10 @@ class Communicator(PersistentForms):
             x = self._p2p_array(x, dst, tag, True)
             if x is None:
                 return
-        self._point_to_point().send(x, dst, tag, self._valid_timeout(timeout), True).wait()
+        p2p = self._point_to_point()
+        seconds = self._valid_timeout(timeout)  # (a bad timeout fails before anything is sent)
+        if not p2p.send_now(x, dst, tag):
+            p2p.send(x, dst, tag, seconds, True).wait()
 
     def recv(
         self, buf: np.ndarray, src: int = ANY_SOURCE, tag: int = ANY_TAG, *, timeout: float | None = None
@@ -1247,7 +1250,12 @@ class Communicator(PersistentForms):
             if isinstance(status, Status):
                 return status
             buf = status
-        return self._point_to_point().recv(buf, src, tag, self._valid_timeout(timeout), True).wait()  # type: ignore[no-any-return]
+        p2p = self._point_to_point()
+        seconds = self._valid_timeout(timeout)
+        status = p2p.recv_now(buf, src, tag, seconds)
+        if status is None:
+            status = p2p.recv(buf, src, tag, seconds, True).wait()
+        return status  # type: ignore[no-any-return]
 
     def isend(self, x: np.ndarray, dst: int, tag: int = 0, *, timeout: float | None = None) -> Request:
         """Start :meth:`send` and return at once; ``x`` belongs to the send until its

@@ -21,7 +21,17 @@ from __future__ import annotations
 
 from shmcoll.jit import jit
 from shmcoll.kernels.cpu import copy
-from shmcoll.shm.atomics import fetch_add, futex_wait, futex_wake, load_acquire, load_seqcst, store_release
+from shmcoll.shm.atomics import (
+    cpu_pause,
+    fetch_add,
+    futex_wait,
+    futex_wake,
+    load_acquire,
+    load_seqcst,
+    monotonic_ns,
+    sched_yield,
+    store_release,
+)
 from shmcoll.shm.layout import (
     C_HEAD,
     C_TAIL,
@@ -80,9 +90,27 @@ def doorbell(ctrl, geo):  # type: ignore[no-untyped-def]
 
 
 @jit(nogil=True)
-def sleep_on_doorbell(ctrl, geo, seen, timeout_ns):  # type: ignore[no-untyped-def]
-    """Sleep until this rank's doorbell moves past ``seen`` or ``timeout_ns`` passes."""
+def sleep_on_doorbell(ctrl, geo, seen, timeout_ns, spin_ns, yields):  # type: ignore[no-untyped-def]
+    """Wait until this rank's doorbell moves past ``seen`` or ``timeout_ns`` passes, in the
+    engine's three stages (``engine/cpu.py``): spin for ``spin_ns``, ``sched_yield`` up to
+    ``yields`` times, then sleep on the futex. Sleeping at once cost a blocking ``recv`` the
+    sleep and the wake-up at every message: 23 us per hop of a ping-pong at 2 ranks on 2 cores
+    (``benchmarks/handoff.py``), where the sender's ring comes a microsecond later."""
     word = geo[G_DOORBELL_BASE] + geo[G_RANK] * WORDS_PER_LINE
+    if spin_ns > 0:
+        end = monotonic_ns() + spin_ns
+        i = 0
+        while True:
+            cpu_pause()
+            if load_acquire(ctrl, word + D_DOORBELL) != seen:
+                return
+            i += 1
+            if (i & 63) == 0 and monotonic_ns() >= end:
+                break
+    for _ in range(yields):
+        sched_yield()
+        if load_acquire(ctrl, word + D_DOORBELL) != seen:
+            return
     fetch_add(ctrl, word + D_WAITERS, 1)
     if load_seqcst(ctrl, word + D_DOORBELL) == seen:
         futex_wait(ctrl, word + D_DOORBELL, seen, timeout_ns)
@@ -177,6 +205,34 @@ def pull(ctrl, data, geo, src, out, got, msg_id, nbytes):  # type: ignore[no-unt
     return got
 
 
+@jit
+def take(ctrl, data, geo, src, tag, dtype, out, header):  # type: ignore[no-untyped-def]
+    """Receive the next message of mailbox ``src -> me`` in one go where it is one fragment that
+    matches ``tag`` (-1: any) and the dtype code ``dtype`` and fits in ``out`` (bytes): returns
+    its size in bytes, its header in ``header`` (as :func:`peek`). -1: the mailbox is empty;
+    -2: its next message is for ``comm.p2p``'s general path (another tag or dtype, or more than
+    ``out`` or one slot holds), which finds it as it was."""
+    me = geo[G_RANK]
+    cw = _mailbox_word(geo, src, me)
+    tail = ctrl[cw + C_TAIL]  # ours
+    if load_acquire(ctrl, cw + C_HEAD) <= tail:
+        return -1
+    at = _slot_byte(geo, src, me, tail)
+    hdr = at // 8
+    header[0] = ctrl[hdr + M_ID]
+    header[1] = ctrl[hdr + M_TAG]
+    header[2] = ctrl[hdr + M_NBYTES]
+    header[3] = ctrl[hdr + M_DTYPE]
+    nbytes = header[2]
+    if (tag != -1 and header[1] != tag) or header[3] != dtype or nbytes > out.size or nbytes > geo[G_SLOT_BYTES]:
+        return -2
+    if nbytes > 0:
+        copy(out, 0, out, 0, False, data, at + SLOT_HEADER_BYTES, nbytes)
+    store_release(ctrl, cw + C_TAIL, tail + 1)
+    ring(ctrl, geo, src)
+    return nbytes
+
+
 def warm() -> None:
     """Compile (or load from the cache) the mailbox functions."""
     import numpy as np
@@ -188,7 +244,8 @@ def warm() -> None:
     geo[G_SLOT_BYTES] = 64
     data = np.zeros(0, np.uint8)
     doorbell(words, geo)
-    sleep_on_doorbell(words, geo, 1, 0)
+    sleep_on_doorbell(words, geo, 1, 0, 0, 0)
     peek(words, geo, 0, np.zeros(4, np.int64))
     pull(words, data, geo, 0, data, 1, 1, 0)
     push(words, data, geo, 0, data, 1, 1, 0, 0, 0)
+    take(words, data, geo, 0, 0, 0, data, np.zeros(4, np.int64))

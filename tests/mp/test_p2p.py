@@ -37,6 +37,52 @@ def test_same_tag_messages_arrive_in_order_and_a_tag_can_pass_another(pools) -> 
     assert res[2] == (0, 9, 5, 20) and res[3] == [0, 1, 2, 3, 4]
 
 
+def _direct_and_general(comm):  # type: ignore[no-untyped-def]
+    """A ping-pong of small messages never enters the general way (whose send and recv are
+    made to fail here); a larger message, a tag passing another and a mismatched buffer still
+    take it, and find the mailbox as the direct path left it."""
+    r, peer = comm.rank, 1 - comm.rank
+    p2p = comm._point_to_point()
+    general = p2p.send, p2p.recv
+
+    def refuse(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("the general way was taken")
+
+    x = np.zeros(3, np.int64)
+    p2p.send = p2p.recv = refuse
+    try:
+        for k in range(200):
+            if r == 0:
+                comm.send(x + k, peer, tag=k % 3)
+                st = comm.recv(x, peer, ANY_TAG)
+            else:
+                st = comm.recv(x, peer, k % 3)
+                comm.send(x, peer, tag=4)
+        direct = (st.source, st.tag, st.count, int(x[0]))
+    finally:
+        p2p.send, p2p.recv = general
+    if r == 0:
+        comm.send(np.arange(4, dtype=np.float32), peer, tag=5)  # waits as an unexpected message
+        comm.send(np.arange(6, dtype=np.float32), peer, tag=6)
+        comm.send(np.ones(1 << 17), peer, tag=7)  # 1 MiB: more than one slot
+        comm.send(np.arange(2, dtype=np.int16), peer, tag=8)
+        return direct
+    six, four, big = np.zeros(6, np.float32), np.zeros(4, np.float32), np.zeros(1 << 17)
+    comm.recv(six, peer, 6)  # tag 5 is first in the mailbox: the general way keeps it aside
+    st4 = comm.recv(four, peer, 5)
+    comm.recv(big, peer, 7)
+    with pytest.raises(TypeError, match="int16"):
+        comm.recv(np.zeros(2, np.int32), peer, 8)  # the message stays
+    st8 = comm.recv(small := np.zeros(2, np.int16), peer, 8)
+    return direct, six.tolist(), (st4.tag, four.tolist()), float(big.sum()), (st8.count, small.tolist())
+
+
+def test_small_blocking_messages_take_the_direct_path(pools) -> None:  # type: ignore[no-untyped-def]
+    first, second = pools.get(2).run(_direct_and_general)
+    assert first == (1, 4, 3, sum(range(200))) and second[0] == (0, 199 % 3, 3, sum(range(200)))
+    assert second[1:] == ([0, 1, 2, 3, 4, 5], (5, [0, 1, 2, 3]), float(1 << 17), (2, [0, 1]))
+
+
 def _self_and_both_ways(comm):  # type: ignore[no-untyped-def]
     r, n = comm.rank, comm.world_size
     small = np.arange(3, dtype=np.int32)
