@@ -337,7 +337,7 @@ def info() -> None:
     click.echo(f"cross-memory attach (single-copy broadcast, allgather, gather, scatter, alltoall): {cma.probe()[1]}")
     if cma.probe()[0]:
         ns = cma.block_ns()
-        slow = f" (over {SLOW_BLOCK_NS / 1e3:.1f}: auto weighs it from twice its sizes at 2 ranks)"
+        slow = f" (over {SLOW_BLOCK_NS / 1e3:.1f}: auto weighs it from larger sizes at 2 ranks)"
         slow = slow if ns > SLOW_BLOCK_NS else ""
         click.echo(f"cross-memory attach copies a 16 KiB block in {ns / 1e3:.2f} us here{slow}")
     try:

@@ -44,7 +44,8 @@ traffic per rank: it reads what it sends once and each output byte is written on
 reductions: and each peer's part once more, from the cache).
 Constraints: cross-memory attach must be permitted (``Query.cma``). ``auto`` weighs it
 only from :func:`auto_from` on (a system call per block and the syncs cost what the cost model
-does not see; at 2 ranks from 2-4x those sizes on a machine whose kernel copies slowly,
+does not see; at 2 ranks from 2-4x those sizes for most collectives on a machine whose kernel
+copies slowly,
 :data:`SLOW_BLOCK_NS`), not for broadcasts from 1 to 16 MiB at 3 ranks and more (see
 :func:`_broadcast_skips`), with the
 model or the tune table's measurements; for the reductions it is preferred from there on up to 4
@@ -104,22 +105,22 @@ def _broadcast_from(world_size: int) -> int:
 
 
 # Where a cross-memory-attach copy of a 16 KiB block takes longer than this (``Query.cma_block_ns``,
-# measured once per communicator), ``auto`` weighs cma at 2 ranks only from twice the sizes above,
-# which were measured on an Intel VM where the kernel copied near a user-space copy's speed. On
-# an AMD VM such a copy takes 2.4-2.8 us (a 64-byte one 1.25, a 1 MiB one 3.4x numpy's time;
-# numpy copies 16 KiB in 0.7), and out of place at 2 ranks (``shmcoll bench -n 2 -a
-# auto,cma,ring,direct,... --out-of-place``, 2-3 launches) cma took at 32 KiB 5.1 us against 3.7
-# for the rings' allgather, 5.1-7.0 against 3.9-4.0 for ``direct``'s alltoall, a tie in
-# broadcast; at 64 KiB gather 5.7-7.0 against 4.8-5.0 for ``direct``, scatter 5.8-6.4 against
-# 5.4-6.8, reduce_scatter 6.8-9.7 against 6.0-7.9; from 64 KiB (broadcast, allgather, alltoall)
-# and 128 KiB (the others) it was as fast or faster. alltoall waits for 128 KiB too: ``auto`` cannot
-# tell in place from out of place, and in place its swaps took 8.2 us at 64 KiB against 5.7 for
-# ``direct`` (out of place a tie, 6.5-6.6 against 6.5-8.3; 128 KiB a tie in place, cma 1.2x
-# faster out of place). allreduce keeps its sizes: at 64 KiB cma
-# took 10.9-15.6 us, ``direct`` 10.6-12.9 and the model's pick without cma, ``ring``, 11.9-14.1.
-# The Intel VM's copy time was not measured (that machine has not been lent since); its whole cma
-# calls at 32 KiB took 2.99-3.18 us, two syncs included, so the limit sits below the AMD VM's
-# times with a margin, not midway between two measurements.
+# measured once per communicator), ``auto`` weighs cma at 2 ranks only from twice the sizes above
+# (alltoall four times), which were measured on an Intel VM where the kernel copied near a
+# user-space copy's speed. On an AMD VM such a copy takes 2.4-2.8 us (a 64-byte one 1.25, a 1 MiB
+# one 3.4x numpy's time; numpy copies 16 KiB in 0.7), and at 2 ranks (``shmcoll bench -n 2 -a
+# auto,cma,ring,direct,... --both``, 2-3 launches) cma took, out of place, at 32 KiB 5.1 us
+# against 3.7 for the rings' allgather and 5.1-7.0 against 3.9-4.0 for ``direct``'s alltoall; at
+# 64 KiB gather 5.7-7.0 against 4.8-5.0 for ``direct``, scatter 5.8-6.4 against 5.4-6.8,
+# reduce_scatter 6.8-9.7 against 6.0-7.9; from 64 KiB (allgather) and 128 KiB (the others) it was
+# as fast or faster. alltoall waits for 128 KiB: in place (``auto`` cannot tell) its swaps took
+# 8.2 us at 64 KiB against 5.7 for ``direct``, out of place a tie (6.5-6.6 against 6.5-8.3); at 128
+# KiB a tie in place, cma 1.2x faster out of place. Two keep their sizes: broadcast, where cma
+# tied with the rings at 32 KiB (5.2-5.3 us out of place, 4.6-5.6 in place, against 4.7-5.3) and
+# ``auto`` would run dbtree instead, 13-16% slower; and allreduce, where at 64 KiB cma took
+# 10.9-15.6 us and ``direct`` 10.6-12.9 (the model would run ``ring``: 11.9-14.1). The Intel VM's
+# copy time was not measured (it has not been lent since); its whole cma calls at 32 KiB took
+# 2.99-3.18 us, two syncs included, so the limit sits below the AMD VM's times with a margin.
 SLOW_BLOCK_NS = 2000
 
 
@@ -161,8 +162,8 @@ def _broadcast_skips(query: Query, size: int) -> bool:
     150 us, 8 MiB 312-328 against 650-662) and out of place from 256 KiB (1 MiB 42 against 93 us,
     16 MiB 1279 against 2005). Out of place at 4 ranks cma was faster than the rings from 4 MiB
     (4 MiB 758 against 875 us, 16 MiB 2878 against 4253): the rings there are in place's pick.
-    And at 2 ranks below 64 KiB where the kernel copies slowly (:func:`_slow_kernel`)."""
-    return (query.world_size > 2 and 1 << 20 <= size < 16 << 20) or _slow_kernel(query, size, _broadcast_from)
+    (Not :func:`_slow_kernel`'s rule: broadcast keeps its sizes, see :data:`SLOW_BLOCK_NS`.)"""
+    return query.world_size > 2 and 1 << 20 <= size < 16 << 20
 
 
 # Elements from which an out-of-place broadcast's peers fill part of the root's output (2 ranks,

@@ -141,11 +141,11 @@ def test_auto_waits_for_larger_calls_where_the_kernel_copies_slowly() -> None:
         return decide(query, overrides="", table=None).algorithm.name
 
     slow, fast = SLOW_BLOCK_NS + 500, SLOW_BLOCK_NS - 500
-    for collective in ("allgather", "alltoall", "broadcast"):  # 2 ranks: 32 KiB, or 64 where slow
+    for collective in ("allgather", "alltoall"):  # 2 ranks: 32 KiB, or 64 where slow
         assert pick(collective, 32 << 10, fast) == "cma" and pick(collective, 32 << 10, 0) == "cma", collective
         assert pick(collective, 32 << 10, slow) != "cma", collective
-        if collective != "alltoall":
-            assert pick(collective, 64 << 10, slow) == "cma", collective
+    assert pick("allgather", 64 << 10, slow) == "cma"
+    assert pick("broadcast", 32 << 10, slow) == "cma"  # measured: a tie with the rings, dbtree slower
     for collective in ("gather", "scatter", "reduce_scatter", "alltoall"):  # 64 KiB, or 128 where slow
         assert pick(collective, 64 << 10, fast) == "cma", collective
         assert pick(collective, 64 << 10, slow) != "cma" and pick(collective, 128 << 10, slow) == "cma", collective
