@@ -93,8 +93,9 @@ LINE = 64
 WORDS_PER_LINE = LINE // 8
 CELL = LINE  # a ring's unit: a message takes whole cells
 MAGIC = 0x6C6C6F636D687300  # "\0shmcoll" little endian: a header that is not ours fails fast
-VERSION = 7  # 2: A_GROUP_SIZE; 3: rank records with WAIT_PEER, liveness lines; 4: mailboxes; 5: 3-line channels, MSG;
-# 6: rings of cells; 7: A_CMA_BLOCK_NS
+VERSION = 6  # 2: A_GROUP_SIZE; 3: rank records with WAIT_PEER, liveness lines; 4: mailboxes; 5: 3-line channels, MSG;
+# 6: rings of cells. (A_CMA_BLOCK_NS took a word of line 1 that 6 left zero and moved nothing, so
+# the version, which tune tables record to be judged by, stays.)
 SLOT_HEADER_BYTES = 32
 
 # Header words (int64 index).
