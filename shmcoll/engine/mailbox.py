@@ -212,24 +212,12 @@ def take(ctrl, data, geo, src, tag, dtype, out, header):  # type: ignore[no-unty
     its size in bytes, its header in ``header`` (as :func:`peek`). -1: the mailbox is empty;
     -2: its next message is for ``comm.p2p``'s general path (another tag or dtype, or more than
     ``out`` or one slot holds), which finds it as it was."""
-    me = geo[G_RANK]
-    cw = _mailbox_word(geo, src, me)
-    tail = ctrl[cw + C_TAIL]  # ours
-    if load_acquire(ctrl, cw + C_HEAD) <= tail:
+    if not peek(ctrl, geo, src, header):
         return -1
-    at = _slot_byte(geo, src, me, tail)
-    hdr = at // 8
-    header[0] = ctrl[hdr + M_ID]
-    header[1] = ctrl[hdr + M_TAG]
-    header[2] = ctrl[hdr + M_NBYTES]
-    header[3] = ctrl[hdr + M_DTYPE]
     nbytes = header[2]
     if (tag != -1 and header[1] != tag) or header[3] != dtype or nbytes > out.size or nbytes > geo[G_SLOT_BYTES]:
         return -2
-    if nbytes > 0:
-        copy(out, 0, out, 0, False, data, at + SLOT_HEADER_BYTES, nbytes)
-    store_release(ctrl, cw + C_TAIL, tail + 1)
-    ring(ctrl, geo, src)
+    pull(ctrl, data, geo, src, out, 0, header[0], nbytes)  # its one fragment: copied, freed, rung
     return nbytes
 
 
