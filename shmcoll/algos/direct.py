@@ -93,10 +93,10 @@ def allgather(ctx: Context) -> None:
     for rank in range(ctx.world_size):
         for peer in _others(ctx, rank):
             ctx.send(rank, peer, ctx.region(Buf.IN), count)
+        if not ctx.inplace:  # right after the send, with which it fuses (plan.passes)
+            ctx.copy(rank, ctx.region(Buf.IN), ctx.block_region(Buf.OUT, rank), count)
         for peer in _others(ctx, rank):
             ctx.recv(rank, peer, ctx.block_region(Buf.OUT, peer), count)
-        if not ctx.inplace:
-            ctx.copy(rank, ctx.region(Buf.IN), ctx.block_region(Buf.OUT, rank), count)
 
 
 @register("alltoall", "direct")
@@ -106,10 +106,10 @@ def alltoall(ctx: Context) -> None:
     for rank in range(ctx.world_size):
         for peer in _others(ctx, rank):
             ctx.send(rank, peer, ctx.block_region(Buf.IN, peer), count)
+        if not ctx.inplace:  # while the peers' messages are on their way
+            ctx.copy(rank, ctx.block_region(Buf.IN, rank), ctx.block_region(Buf.OUT, rank), count)
         for peer in _others(ctx, rank):
             ctx.recv(rank, peer, ctx.block_region(Buf.OUT, peer), count)
-        if not ctx.inplace:
-            ctx.copy(rank, ctx.block_region(Buf.IN, rank), ctx.block_region(Buf.OUT, rank), count)
 
 
 @register("reduce", "direct")

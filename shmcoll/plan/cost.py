@@ -141,11 +141,21 @@ Compiled = list[list[tuple[int, int, int]]]  # per rank: (recv peer or -1, send 
 
 
 def compile_plan(plan: Plan, itemsize: int) -> Compiled:
-    """Each rank's steps reduced to what the model charges: who it hears, who it tells, bytes."""
-    return [
-        [(-1 if s.recv is None else s.recv, -1 if s.send is None else s.send, s.count * itemsize) for s in program]
-        for program in plan.programs
-    ]
+    """Each rank's steps reduced to what the model charges: who it hears, who it tells, bytes.
+
+    A step that sends and also copies what it sends into a local buffer (``plan.passes``' fusion
+    of a send with the copy after it) is charged as that send and then that copy: the engine
+    makes both copies, and from a few KiB publishes the message before the local one."""
+    out: Compiled = []
+    for program in plan.programs:
+        rows = []
+        for s in program:
+            nbytes = s.count * itemsize
+            rows.append((-1 if s.recv is None else s.recv, -1 if s.send is None else s.send, nbytes))
+            if s.send is not None and s.recv is None and s.dst is not None:
+                rows.append((-1, -1, nbytes))
+        out.append(rows)
+    return out
 
 
 Timed = list[list[tuple[int, int, float, float]]]  # per rank: (in channel, out channel, busy s, latency s)

@@ -320,6 +320,29 @@ def test_large_messages_default_slots(pools) -> None:  # type: ignore[no-untyped
     assert pool.run(_large) == [[(3, 1001)] * 6] * 3
 
 
+def _send_and_copy(comm):  # type: ignore[no-untyped-def]
+    """Out-of-place ``direct`` allgather and broadcast run a step that sends this rank's block and
+    copies it into the result (plan.passes' send-and-copy fusion): in one pass up to the engine's
+    ``LATE_COPY_BYTES``, the message first above it, and per piece beyond a slot."""
+    from shmcoll.engine.cpu import LATE_COPY_BYTES
+
+    n, r = comm.world_size, comm.rank
+    limit = LATE_COPY_BYTES // 4
+    for count in (1, limit - 1, limit, limit + 1, 3 * limit, 16384 + 5, 3 * 16384 + 7):
+        base = np.arange(count, dtype=np.float32)
+        x = base + 1000 * r
+        g = comm.allgather(x, out=np.empty((n, count), np.float32), algorithm="direct")
+        np.testing.assert_array_equal(g, np.stack([base + 1000 * q for q in range(n)]))
+        b = comm.broadcast(x, root=n - 1, out=np.empty_like(x), algorithm="direct")
+        np.testing.assert_array_equal(b, base + 1000 * (n - 1))
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_send_and_copy_steps_on_both_sides_of_the_late_copy(pools, world_size: int) -> None:  # type: ignore[no-untyped-def]
+    assert pools.get(world_size).run(_send_and_copy) == [True] * world_size
+
+
 # --- calls repeated with the same arrays (comm.bind._remember) -----------------------------------
 def _repeated(comm):  # type: ignore[no-untyped-def]
     """A loop's repeated call is not checked again, so it must still notice every change that

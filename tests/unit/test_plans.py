@@ -169,6 +169,33 @@ def test_fuse_drops_dead_scratch_store() -> None:
     assert step.dst is None and step.send == 2
 
 
+def test_fuse_merges_send_then_local_copy_of_the_same_region() -> None:
+    send = Step(count=4, send=1, a=Region(Buf.IN, 0))
+    copy = Step(count=4, a=Region(Buf.IN, 0), dst=Region(Buf.OUT, 4))
+    recv = Step(count=4, recv=1, dst=Region(Buf.OUT, 0))
+    (step, last) = fuse(ir.Plan("allgather", "direct", 2, 4, 0, False, [[send, copy, recv], []])).programs[0]
+    assert step.send == 1 and step.recv is None and step.a == Region(Buf.IN, 0) and step.dst == Region(Buf.OUT, 4)
+    assert last == recv
+    # Not fused: a copy of another region, of another count, or a send that reduces.
+    for second in (
+        Step(count=4, a=Region(Buf.IN, 4), dst=Region(Buf.OUT, 4)),
+        Step(count=2, a=Region(Buf.IN, 0), dst=Region(Buf.OUT, 4)),
+    ):
+        assert len(fuse(ir.Plan("allgather", "direct", 2, 4, 0, False, [[send, second], []])).programs[0]) == 2
+    reducing = Step(count=4, send=1, a=Region(Buf.IN, 0), b=Region(Buf.OUT, 0), reduce=True)
+    assert len(fuse(ir.Plan("allreduce", "direct", 2, 4, 0, False, [[reducing, copy], []])).programs[0]) == 2
+
+
+def test_out_of_place_direct_allgather_is_one_step_per_peer() -> None:
+    """The send and the local copy of a rank's own block are one step (the engine's steps cost
+    tens of nanoseconds each: a small allgather's time)."""
+    for n in (2, 3):
+        plan = plan_call(registry.get("allgather", "direct"), n, 5, 16)
+        for r, program in enumerate(plan.tail.programs):
+            assert len(program) == 2 * (n - 1), (r, program)
+            assert program[n - 2].dst == Region(Buf.OUT, 5 * r)
+
+
 def test_segmenting_keeps_plans_small() -> None:
     alg = registry.get("allreduce", "direct")
     small = plan_call(alg, 4, 10, 16)
