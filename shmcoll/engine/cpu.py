@@ -339,6 +339,18 @@ def _peer_copy(prog, row, base, mine, moff, item, ctrl, state, write):  # type: 
 
 
 @jit
+def _late_copy(prog, row, base, inp, out, tmp, state, count):  # type: ignore[no-untyped-def]
+    """The local copy of a fused send-and-copy step, after its message (see LATE_COPY_BYTES). A
+    function of its own: array variables in :func:`_step` would cost every step reference counts."""
+    d_which = prog[row, C_D_BUF]
+    a_which = prog[row, C_A_BUF]
+    dst = _pick(d_which, inp, out, tmp)
+    doff = _offset(prog, state, d_which, prog[row, C_D_OFF], base)
+    src = _pick(a_which, inp, out, tmp)
+    copy(dst, doff, dst, doff, False, src, _offset(prog, state, a_which, prog[row, C_A_OFF], base), count)
+
+
+@jit
 def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no-untyped-def]
     flags = prog[row, C_OP]
     count = prog[row, C_COUNT]
@@ -381,8 +393,6 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
         in_off = (hdr * 8 + SLOT_HEADER_BYTES) // item
     out_off = 0
     late = 0  # elements of a fused local copy made after the send's publication
-    late_dst = late_src = inp
-    late_doff = late_soff = 0
     head_word = 0
     head = 0
     head_end = 0
@@ -456,10 +466,6 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
                 # LATE_COPY_BYTES the message first, published before the copy, so that the copy
                 # does not delay the peer; below, one pass writes both.
                 copy(data, out_off, dst, doff, False, x, xoff, count)
-                late_dst = dst
-                late_doff = doff
-                late_src = x
-                late_soff = xoff
                 late = count
             elif send:
                 copy(data, out_off, dst, doff, store, x, xoff, count)
@@ -487,7 +493,7 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
         cw = chan_base + prog[row, C_CH_OUT] * CHANNEL_WORDS
         _publish(ctrl, head_word, head_end, cw + C_HEAD_WAITERS)
         if late > 0:
-            copy(late_dst, late_doff, late_dst, late_doff, False, late_src, late_soff, late)
+            _late_copy(prog, row, base, inp, out, tmp, state, late)
     if recv:
         cw = chan_base + prog[row, C_CH_IN] * CHANNEL_WORDS
         _publish(ctrl, tail_word, tail_end, cw + C_TAIL_WAITERS)
