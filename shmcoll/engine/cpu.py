@@ -78,7 +78,7 @@ from __future__ import annotations
 import numpy as np
 from numba import carray
 
-from shmcoll.jit import jit
+from shmcoll.jit import NO_REFCOUNTS, jit
 from shmcoll.kernels.cpu import combine, copy, narrow_bfloat16, widen_bfloat16
 from shmcoll.plan.ir import (
     C_A_BUF,
@@ -289,7 +289,7 @@ def _publish(ctrl, word, value, waiters):  # type: ignore[no-untyped-def]
         futex_wake(ctrl, word)
 
 
-@jit
+@jit(**NO_REFCOUNTS)  # (it returns an array to _step, which counts none)
 def _pick(which, inp, out, tmp):  # type: ignore[no-untyped-def]
     kind = which & 3
     if kind == _IN:
@@ -338,7 +338,7 @@ def _peer_copy(prog, row, base, mine, moff, item, ctrl, state, write):  # type: 
     return OK
 
 
-@jit
+@jit(**NO_REFCOUNTS)
 def _late_copy(prog, row, base, inp, out, tmp, state, count):  # type: ignore[no-untyped-def]
     """The local copy of a fused send-and-copy step, after its message (see LATE_COPY_BYTES). A
     function of its own: array variables in :func:`_step` would cost every step reference counts."""
@@ -350,7 +350,7 @@ def _late_copy(prog, row, base, inp, out, tmp, state, count):  # type: ignore[no
     copy(dst, doff, dst, doff, False, src, _offset(prog, state, a_which, prog[row, C_A_OFF], base), count)
 
 
-@jit
+@jit(**NO_REFCOUNTS)
 def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no-untyped-def]
     flags = prog[row, C_OP]
     count = prog[row, C_COUNT]
@@ -594,7 +594,7 @@ def entry_at(dtype):  # type: ignore[no-untyped-def]
     return entry if callable(entry) else None
 
 
-@jit
+@jit(**NO_REFCOUNTS)
 def _execute(prog, inp, out, tmp, data, ctrl, state):  # type: ignore[no-untyped-def]
     rank_word = state[S_RANK_WORD]
     entry = prog[0, HD_ENTRY]

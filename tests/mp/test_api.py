@@ -343,6 +343,32 @@ def test_send_and_copy_steps_on_both_sides_of_the_late_copy(pools, world_size: i
     assert pools.get(world_size).run(_send_and_copy) == [True] * world_size
 
 
+def _references(comm, calls):  # type: ignore[no-untyped-def]
+    """The run loop's calls (a timeout given: not the lean path) hand the caller's arrays to the
+    engine, parts of which are compiled without reference counting (``jit.NO_REFCOUNTS``): the
+    arrays' reference counts must come back to where they were."""
+    import sys
+
+    x = np.ones(300, np.float32)
+    out, g = np.empty_like(x), np.empty((comm.world_size, 300), np.float32)
+
+    def rounds(k: int) -> list[int]:
+        for _ in range(k):
+            comm.allreduce(x, out=out, timeout=30)
+            comm.allreduce(x, timeout=30)
+            comm.allgather(x, out=g, timeout=30)
+            comm.broadcast(x, 0, out=out, timeout=30)
+            comm.allgather(x, out=g)  # (and the lean path, remembered from the second round on)
+        return [sys.getrefcount(a) for a in (x, out, g)]
+
+    return rounds(3), rounds(calls)  # (the calls remembered after a round are the same every round)
+
+
+def test_engine_calls_leave_reference_counts_as_they_were(pools) -> None:  # type: ignore[no-untyped-def]
+    for before, after in pools.get(2).run(_references, 200):
+        assert after == before
+
+
 # --- calls repeated with the same arrays (comm.bind._remember) -----------------------------------
 def _repeated(comm):  # type: ignore[no-untyped-def]
     """A loop's repeated call is not checked again, so it must still notice every change that
