@@ -217,10 +217,12 @@ _IN, _OUT, _TMP = 0, 1, 2
 LATE_COPY_BYTES = 1024
 """A fused send-and-copy step of more bytes than this publishes its message before the copy.
 
-Measured at 2 ranks, out-of-place allgather (one such step per call), engine time per call: at
-8-256 B one pass writing both was 0.04-0.05 us faster than the message first and the copy after
-(0.36-0.39 against 0.39-0.42 us at 8 B); at 2 KiB 0.02-0.04 us slower, the peer waiting for the
-copy; a 64 KiB piece's copy would hold its message back by microseconds."""
+Below it one pass writes both (as ring's allgather always did). Measured at 2 ranks, out-of-place
+allgather (one such step per call), engine time per call, alternating launches: at 8-256 B the
+two orders were within 0.05 us of each other, no more than two launches of the same code differ
+(one pass 0.36-0.39 us at 8 B, the message first 0.39-0.42); at 2 KiB one pass was 0.02-0.04 us
+slower, the peer waiting for the copy, and a 64 KiB piece's copy would hold its message back by
+microseconds."""
 
 
 @jit
