@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from typing import Any
 
@@ -47,7 +48,8 @@ def auto_pick(
     count = total_count // world_size if collectives.get(collective).blocked else total_count
     cfg = config.get()
     # (as the communicator asks: cross-memory attach competes where this machine permits it, from
-    # sizes that depend on how fast its kernel copies; this process's own measurement of that)
+    # sizes that depend on how this machine's kernel copies against its rings; this process's own
+    # measurement of that)
     permitted = not registered and cma.probe()[0]
     query = Query(
         collective,
@@ -57,7 +59,8 @@ def auto_pick(
         root=0,
         registered=registered,
         cma=permitted,
-        cma_block_ns=cma.block_ns() if permitted and world_size > 1 else 0,
+        cma_crossover=cma.crossover_bytes() if permitted and world_size > 1 else 0,
+        cores=os.cpu_count() or 0,
     )
     if table is not None:
         return select.decide(query, table=table, slot_bytes=cfg.slot_bytes, nslots=cfg.nslots).algorithm.name

@@ -331,15 +331,11 @@ def info() -> None:
         + ", ".join(f"{n} ranks {footprint_bytes(n, cfg.nslots, cfg.slot_bytes) / 2**20:.1f} MiB" for n in (2, 4, 8))
     )
     click.echo(f"timeout: {cfg.timeout_s:g}s; kernel cache: {CACHE_DIR}")
-    from shmcoll.algos.cma import SLOW_BLOCK_NS
     from shmcoll.shm import cma
 
     click.echo(f"cross-memory attach (single-copy broadcast, allgather, gather, scatter, alltoall): {cma.probe()[1]}")
     if cma.probe()[0]:
-        ns = cma.block_ns()
-        slow = f" (over {SLOW_BLOCK_NS / 1e3:.1f}: auto weighs it from larger sizes at 2 ranks)"
-        slow = slow if ns > SLOW_BLOCK_NS else ""
-        click.echo(f"cross-memory attach copies a 16 KiB block in {ns / 1e3:.2f} us here{slow}")
+        click.echo(f"cross-memory attach against the rings: {cma.describe_crossover(cma.crossover_bytes())}")
     try:
         from shmcoll.engine import cuda as gpu
 

@@ -128,6 +128,10 @@ class Group:
             raise
         self.handle: ArenaHandle = self._arena.handle
         self._owner_pid = os.getpid()
+        if world_size > 1 and cma.probe()[0]:
+            # Measured here, before any rank runs, rather than by a rank among busy peers (once
+            # per process: 1-20 ms); auto's choices of cma follow it (shm.cma.crossover_bytes).
+            self._arena.publish_cma_crossover(cma.crossover_bytes())
 
     @classmethod
     def from_handle(cls, handle: ArenaHandle | str, timeout: float | None = None) -> Group:

@@ -44,10 +44,9 @@ traffic per rank: it reads what it sends once and each output byte is written on
 reductions: and each peer's part once more, from the cache).
 Constraints: cross-memory attach must be permitted (``Query.cma``). ``auto`` weighs it
 only from :func:`auto_from` on (a system call per block and the syncs cost what the cost model
-does not see; at 2 ranks from 2-4x those sizes for most collectives on a machine whose kernel
-copies slowly,
-:data:`SLOW_BLOCK_NS`), not for broadcasts from 1 to 16 MiB at 3 ranks and more (see
-:func:`_broadcast_skips`), with the
+does not see), and only where this machine's two cores exchange a block of the call's size no
+slower by the kernel than through the rings (``Query.cma_crossover``, :func:`_below_crossover`),
+not for broadcasts from 1 to 16 MiB at 3 ranks and more (see :func:`_broadcast_skips`), with the
 model or the tune table's measurements; for the reductions it is preferred from there on up to 4
 ranks (:func:`_preferred`); asked for by name it serves any size.
 
@@ -104,40 +103,39 @@ def _broadcast_from(world_size: int) -> int:
     return 32 << 10 if world_size <= 2 else auto_from(world_size)
 
 
-# Where a cross-memory-attach copy of a 16 KiB block takes longer than this (``Query.cma_block_ns``,
-# measured once per communicator), ``auto`` weighs cma at 2 ranks only from twice the sizes above
-# (alltoall four times), which were measured on an Intel VM where the kernel copied near a
-# user-space copy's speed. On an AMD VM such a copy takes 2.4-2.8 us (a 64-byte one 1.25, a 1 MiB
-# one 3.4x numpy's time; numpy copies 16 KiB in 0.7), and at 2 ranks (``shmcoll bench -n 2 -a
-# auto,cma,ring,direct,... --both``, 2-3 launches) cma took, out of place, at 32 KiB 5.1 us
-# against 3.7 for the rings' allgather and 5.1-7.0 against 3.9-4.0 for ``direct``'s alltoall; at
-# 64 KiB gather 5.7-7.0 against 4.8-5.0 for ``direct``, scatter 5.8-6.4 against 5.4-6.8,
-# reduce_scatter 6.8-9.7 against 6.0-7.9; from 64 KiB (allgather) and 128 KiB (the others) it was
-# as fast or faster. alltoall waits for 128 KiB: in place (``auto`` cannot tell) its swaps took
-# 8.2 us at 64 KiB against 5.7 for ``direct``, out of place a tie (6.5-6.6 against 6.5-8.3); at 128
-# KiB a tie in place, cma 1.2x faster out of place. Two keep their sizes: broadcast, where cma
-# tied with the rings at 32 KiB (5.2-5.3 us out of place, 4.6-5.6 in place, against 4.7-5.3) and
-# ``auto`` would run dbtree instead, 13-16% slower; and allreduce, where at 64 KiB cma took
-# 10.9-15.6 us and ``direct`` 10.6-12.9 (the model would run ``ring``: 11.9-14.1). The Intel VM's
-# copy time was not measured (it has not been lent since); its whole cma calls at 32 KiB took
-# 2.99-3.18 us, two syncs included, so the limit sits below the AMD VM's times with a margin.
-SLOW_BLOCK_NS = 2000
+# Where ranks outnumber cores, ``auto`` weighs cma from this call size on whatever the race of
+# ``Query.cma_crossover`` says: the race runs two threads on two cores, and with more ranks than
+# cores the rings' hand-offs wait for the scheduler too, which a kernel copy does not. Measured
+# at 4 ranks on the 2-core Zen 5 VM, where the race never saw the kernel win (``auto_vs_best.py
+# -n 4 -b 64K -e 64M -f 4``, 3 launches): at 4 MiB cma was the fastest in 5 of 7 collectives
+# (allgather 220 us against 486 for ``direct``, reduce_scatter 312 against 466, allreduce 1002
+# against 1142 for ``halving_doubling``; alltoall a tie, gather and scatter 1.2-1.3x slower), at 1
+# MiB slower in 6 of 7 (allgather 119 against 105, alltoall 145 against 111, gather 61 against 35).
+OVERSUBSCRIBED_FROM = 4 << 20
 
 
-def _slow_kernel(query: Query, size: int, auto_from: Callable[[int], int], times: int = 2) -> bool:
-    """Whether ``auto`` leaves a call of ``size`` bytes to the rings because this machine's kernel
-    copies slowly (see :data:`SLOW_BLOCK_NS`): below ``times`` its ``auto_from`` at 2 ranks."""
-    n = query.world_size
-    return n <= 2 and query.cma_block_ns > SLOW_BLOCK_NS and size < times * auto_from(n)
+def _below_crossover(query: Query, size: int) -> bool:
+    """Whether ``auto`` leaves a call of ``size`` bytes to the rings because this machine's two
+    cores exchange blocks of its size faster through them than by the kernel
+    (``Query.cma_crossover``, measured by ``shm.cma.crossover_bytes``): below ``n`` times the
+    crossover, a block being the bytes a rank moves to one peer, about ``size / n`` in every
+    collective here (the reductions' chunks, the broadcast's shares). Where ranks outnumber the
+    machine's cores, from :data:`OVERSUBSCRIBED_FROM` on at the latest. Not measured (0): the
+    sizes of ``auto_from`` alone decide.
 
-
-def _skips(auto_from: Callable[[int], int], times: int = 2) -> Callable[[Query, int], bool]:
-    """``Algorithm.auto_skip`` for a collective whose cma plan ``auto`` weighs from ``auto_from``."""
-
-    def skip(query: Query, size: int) -> bool:
-        return _slow_kernel(query, size, auto_from, times)
-
-    return skip
+    The race decides this rather than a fixed size, because where the kernel loses differs by
+    machine more than any one figure can say (see ``shm/cma.py``): on the Zen 5 VM, at 2 ranks,
+    the rings were faster from 64 KiB to 1 MiB in every collective (alltoall 1 MiB 31-33 us
+    against cma's 45-48, allreduce 1 MiB 48 against 89, broadcast 256 KiB 6.1 against 17.3) and
+    within the launches' spread or faster up to 64 MiB, where the sizes of ``auto_from``, measured
+    on an Intel VM, had ``auto`` run cma from 32-64 KiB."""
+    crossover = query.cma_crossover
+    if crossover <= 0:
+        return False
+    start = query.world_size * crossover
+    if query.cores and query.world_size > query.cores:
+        start = min(start, OVERSUBSCRIBED_FROM)
+    return size < start
 
 
 def _permitted(query: Query) -> str | None:
@@ -162,8 +160,8 @@ def _broadcast_skips(query: Query, size: int) -> bool:
     150 us, 8 MiB 312-328 against 650-662) and out of place from 256 KiB (1 MiB 42 against 93 us,
     16 MiB 1279 against 2005). Out of place at 4 ranks cma was faster than the rings from 4 MiB
     (4 MiB 758 against 875 us, 16 MiB 2878 against 4253): the rings there are in place's pick.
-    (Not :func:`_slow_kernel`'s rule: broadcast keeps its sizes, see :data:`SLOW_BLOCK_NS`.)"""
-    return query.world_size > 2 and 1 << 20 <= size < 16 << 20
+    The crossover's rule holds here too (:func:`_below_crossover`)."""
+    return (query.world_size > 2 and 1 << 20 <= size < 16 << 20) or _below_crossover(query, size)
 
 
 # Elements from which an out-of-place broadcast's peers fill part of the root's output (2 ranks,
@@ -209,7 +207,7 @@ def _around(r: int, n: int) -> list[int]:
     return [(r + k) % n for k in range(1, n)]
 
 
-@register("allgather", "cma", piece=_whole, supports=_permitted, auto_from=_blocks_from, auto_skip=_skips(_blocks_from))
+@register("allgather", "cma", piece=_whole, supports=_permitted, auto_from=_blocks_from, auto_skip=_below_crossover)
 def allgather(ctx: Context) -> None:
     """Every rank copies its input into its own block, then writes it into every peer's. The own
     copy comes before the first sync (it touches nothing a peer reads or writes), so a rank that
@@ -225,7 +223,7 @@ def allgather(ctx: Context) -> None:
     zerocopy.sync(ctx)
 
 
-@register("gather", "cma", piece=_whole, supports=_permitted, auto_from=_gather_from, auto_skip=_skips(_gather_from))
+@register("gather", "cma", piece=_whole, supports=_permitted, auto_from=_gather_from, auto_skip=_below_crossover)
 def gather(ctx: Context) -> None:
     """Every rank writes its input into its block of the root's output (the root copies its own
     unless in place)."""
@@ -239,9 +237,7 @@ def gather(ctx: Context) -> None:
     zerocopy.sync(ctx)
 
 
-@register(
-    "alltoall", "cma", piece=_whole, supports=_permitted, auto_from=_blocks_from, auto_skip=_skips(_blocks_from, 4)
-)
+@register("alltoall", "cma", piece=_whole, supports=_permitted, auto_from=_blocks_from, auto_skip=_below_crossover)
 def alltoall(ctx: Context) -> None:
     """Rank ``r`` writes block ``j`` of its input into block ``r`` of rank ``j``'s output, after
     copying its own block before its first sync (as allgather). In place (see :func:`_swaps`)
@@ -283,7 +279,7 @@ def _swaps(ctx: Context) -> None:
     zerocopy.sync(ctx)
 
 
-@register("scatter", "cma", piece=_whole, supports=_permitted, auto_from=auto_from, auto_skip=_skips(auto_from))
+@register("scatter", "cma", piece=_whole, supports=_permitted, auto_from=auto_from, auto_skip=_below_crossover)
 def scatter(ctx: Context) -> None:
     """Rank ``r`` copies block ``r`` of the root's input; the root, its own unless in place."""
     n, root, count = ctx.world_size, ctx.root, ctx.count
@@ -371,6 +367,7 @@ def _preferred(auto_from: Callable[[int], int]) -> Callable[[int, int], bool]:
     piece=_whole,
     supports=_reduction_permitted,
     auto_from=_allreduce_from,
+    auto_skip=_below_crossover,
     auto_prefer=_preferred(_allreduce_from),
 )
 def allreduce(ctx: Context) -> None:
@@ -407,7 +404,7 @@ def _reduce_scatter_from(world_size: int) -> int:
     piece=_whole,
     supports=_reduction_permitted,
     auto_from=_reduce_scatter_from,
-    auto_skip=_skips(_reduce_scatter_from),
+    auto_skip=_below_crossover,
     auto_prefer=_preferred(_reduce_scatter_from),
 )
 def reduce_scatter(ctx: Context) -> None:

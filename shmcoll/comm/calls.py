@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any
 
 import numpy as np
@@ -150,19 +151,15 @@ def engine_types_for(kind: str, dtype: np.dtype, op: ReduceOp) -> tuple[np.dtype
     return dtype, ReduceOp.SUM, False
 
 
-def cma_block_ns(rt: Any) -> int:
-    """:func:`shm.cma.block_ns` as the ranks of ``rt`` agree on it (``Query.cma_block_ns``): the
-    first rank to need it publishes its own measurement in the arena and every other takes
-    that, since their own differ by noise and every rank of a call must choose alike."""
-    if rt._cma_block_ns is None:
-        mine = cma.block_ns()
-        rt._cma_block_ns = rt._arena.agree_cma_block_ns(mine) if mine else 0
-        rt._log.info(
-            "cross-memory attach copies a 16 KiB block in %.2f us here (this rank measured %.2f)",
-            rt._cma_block_ns / 1e3,
-            mine / 1e3,
-        )
-    return rt._cma_block_ns  # type: ignore[no-any-return]
+def cma_crossover(rt: Any) -> int:
+    """:func:`shm.cma.crossover_bytes` as the ranks of ``rt`` agree on it
+    (``Query.cma_crossover``): the launcher's measurement, made before the ranks started, or else
+    the first rank's to need it (the others wait for it); their own would differ by noise, and
+    every rank of a call must choose alike."""
+    if rt._cma_crossover is None:
+        rt._cma_crossover = rt._arena.cma_crossover(cma.crossover_bytes, min(rt.timeout, 60.0))
+        rt._log.info("cross-memory attach: %s", cma.describe_crossover(rt._cma_crossover))
+    return rt._cma_crossover  # type: ignore[no-any-return]
 
 
 def prepare(
@@ -216,8 +213,10 @@ def prepare(
         alg = registry.get(kind, "direct")
     else:
         group_size = groups.group_size(rt)
-        if algorithm == "auto" and query.cma and rt.world_size > 1:
-            query = dataclasses.replace(query, cma_block_ns=cma_block_ns(rt))
+        if algorithm == "auto":
+            query = dataclasses.replace(query, cores=os.cpu_count() or 0)
+            if query.cma and rt.world_size > 1:
+                query = dataclasses.replace(query, cma_crossover=cma_crossover(rt))
         alg = choose(
             query, algorithm, slot_bytes=lay.slot_bytes, nslots=lay.nslots, group_size=group_size, logger=rt._log
         )

@@ -132,7 +132,7 @@ class Runtime:
         self._verify = os.environ.get("SHMCOLL_VERIFY", "") == "1"
         self._groups: int | None = None
         self._groups_agreed = False
-        self._cma_block_ns: int | None = None  # agreed by the ranks (cma_block_ns), once needed
+        self._cma_crossover: int | None = None  # agreed by the ranks (calls.cma_crossover), once needed
         self._progress: Queue | None = None  # started operations (created by the first one)
         self._p2p: Any = None  # point-to-point state (comm.p2p, created by the first message)
         self._mem_total = psutil.virtual_memory().total

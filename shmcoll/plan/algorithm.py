@@ -25,9 +25,12 @@ class Query:
     inplace: bool = False
     registered: bool = False  # this rank's shared buffers come from comm.alloc
     cma: bool = False  # ranks may read each other's memory (cross-memory attach, shm.cma.probe)
-    # What a cross-memory-attach copy of a 16 KiB block takes on this machine, the same on every
-    # rank (shm.cma.block_ns, agreed through the arena); 0: not measured.
-    cma_block_ns: int = 0
+    # The block size from which two cores exchange data by cross-memory attach no slower than
+    # through the rings on this machine, the same on every rank (shm.cma.crossover_bytes, agreed
+    # through the arena); 0: not measured.
+    cma_crossover: int = 0
+    # Processors of the machine (os.cpu_count(), the same for every rank of it); 0: unknown.
+    cores: int = 0
 
     @property
     def nbytes(self) -> int:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -184,10 +186,34 @@ class Arena:
         one: the first proposal wins (a compare-and-swap from 0), so every rank sees the same."""
         return self._agree(layout.A_GROUP_SIZE, value)
 
-    def agree_cma_block_ns(self, value: int) -> int:
-        """Propose ``value`` (>= 1) as the time of a cross-memory-attach copy of a 16 KiB block
-        (``shm.cma.block_ns``); returns the agreed one, as :meth:`agree_group_size`."""
-        return self._agree(layout.A_CMA_BLOCK_NS, value)
+    def cma_crossover(self, measure: Callable[[], int], deadline_s: float) -> int:
+        """The block size from which cross-memory attach beats the rings here
+        (``shm.cma.crossover_bytes``), the same for every rank: the value in the arena if the
+        launcher or a rank put one there; else this rank claims the word, runs ``measure`` and
+        publishes its answer, or, if another rank claimed it first, waits for that one's (so
+        that the ranks do not measure at once, on cores they share). A waiter still waiting
+        after ``deadline_s`` (its measurer died) publishes its own answer in its place."""
+        word = layout.A_CMA_CROSSOVER
+        found = int(atomic_cas(self.ctrl, word, 0, layout.CMA_MEASURING))
+        if found == 0:
+            return self._settle(word, measure())
+        give_up = time.monotonic() + deadline_s
+        while found == layout.CMA_MEASURING:
+            if time.monotonic() > give_up:
+                return self._settle(word, measure())
+            time.sleep(0.0005)
+            found = int(read_word(self.ctrl, word))
+        return found
+
+    def _settle(self, word: int, value: int) -> int:
+        """Publish ``value`` over a claim; the value already there if another rank settled first."""
+        found = int(atomic_cas(self.ctrl, word, layout.CMA_MEASURING, value))
+        return value if found == layout.CMA_MEASURING else found
+
+    def publish_cma_crossover(self, value: int) -> None:
+        """Put ``value`` in the arena before any rank needs it (the launcher, which measures it
+        while no rank runs); a value already there stays."""
+        atomic_cas(self.ctrl, layout.A_CMA_CROSSOVER, 0, value)
 
     def _agree(self, word: int, value: int) -> int:
         found = int(atomic_cas(self.ctrl, word, 0, value))

@@ -18,13 +18,23 @@ Every rank of a machine decides the same way (same kernel settings, same user), 
 they choose agree. If a peer's memory is refused anyway (a process that is not dumpable, ranks
 of different users), the call fails with an error that names ``SHMCOLL_CMA=0`` as the remedy.
 
-How fast the kernel copies differs between machines far more than a user-space copy does: on
-one 2-core Intel VM a cma allreduce of 1 MiB took 64 us, on a 2-core AMD VM 100-118, where a
-``process_vm_readv`` of 64 bytes takes 1.25 us and a 1 MiB one is 3.4x slower than numpy's
-copy. Where cma starts to pay (``algos/cma.py``'s ``auto_from``) moves with it, so
-:func:`block_ns` measures it once per process. Its answer is noisy, and the ranks of a call
-must choose alike, so ranks take the time of the first of them to measure it (through the
-arena, ``comm.calls.cma_block_ns``), not their own.
+Whether the single copy pays differs between machines far more than a user-space copy's speed
+does, and what decides it is not the kernel's copy alone but the kernel's copy *against the
+rings*: a ring moves a byte twice, but both copies are user-space copies, pipelined on two cores
+and through slots that stay in the caches. On a 2-core Intel VM cma's allreduce of 1 MiB took 64
+us and beat the rings' 118; on a 2-core AMD (Zen 4) VM 100-118 against the rings' 125-150; on a
+2-core AMD (Zen 5) VM 82-89 against the rings' 48, and the rings won every collective at 2 ranks
+from 64 KiB to 64 MiB (``benchmarks/RESULTS.md``), although a kernel copy of 16 KiB there took
+less time (1.7-1.9 us) than on the Zen 4 VM (2.4-2.8), and a 1 MiB one was 3.6x slower than
+numpy's on both. A copy within one process cannot tell those machines apart; how fast two cores
+hand each other data can. So :func:`crossover_bytes` races the two ways, the rings' and the
+kernel's, the way a 2-rank exchange uses them: two threads of this process, on two cores, each
+send a block to the other, once through a ring of slots (:func:`_ring_exchange`) and once by
+``process_vm_readv`` of the other's buffer (:func:`_kernel_exchange`), at block sizes of 16 KiB
+to 4 MiB; the first size at which the kernel is no slower is where ``auto`` starts weighing cma
+(``algos/cma.py``). Its answer is noisy, and the ranks of a call must choose alike, so ranks take
+the answer of the first of them to measure it (through the arena, ``comm.calls.cma_crossover``),
+not their own.
 """
 
 from __future__ import annotations
@@ -32,12 +42,22 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import threading
 
 import numpy as np
 
 from shmcoll import config
 from shmcoll.jit import jit
-from shmcoll.shm.atomics import monotonic_ns, vm_copy
+from shmcoll.shm.atomics import (
+    cpu_pause,
+    fetch_add,
+    load_acquire,
+    monotonic_ns,
+    move_bytes,
+    sched_yield,
+    store_release,
+    vm_copy,
+)
 
 PR_SET_PTRACER = 0x59616D61
 PR_SET_PTRACER_ANY = ctypes.c_ulong(-1 % (1 << 64))
@@ -76,37 +96,164 @@ def probe() -> tuple[bool, str]:
     )
 
 
-# The block a cma call moves at the size where ``auto`` starts to weigh it at 2 ranks (a 32 KiB
-# allgather or alltoall moves 16 KiB blocks), so that the kernel's fixed cost per call counts as
-# much as in such a call.
-BLOCK_BYTES = 16 << 10
+# Block sizes at which the two ways are raced, smallest first (the rings' slot is 64 KiB, so from
+# 64 KiB a block is pipelined through the ring as the engine pipelines it).
+LADDER_BYTES = (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
+NEVER = 1 << 62
+""":func:`crossover_bytes` where the kernel lost at every size of the ladder."""
+_SLOT_BYTES = 64 << 10  # the rings' default slot (config.slot_bytes) and count (config.nslots)
+_NSLOTS = 4
+# Pauses of a waiting thread before it yields: a hand-off between two running threads takes a
+# copy of a slot (1-2 us, well under 1024 pauses); longer, and the other thread has lost its core.
+_IDLE_SPINS = 1024
+_ROUNDS = 3  # timed races per size (the best counts), after one untimed
 
 
 @jit
-def _copy_ns(pid, to, frm, nbytes, reps):  # type: ignore[no-untyped-def]
-    """Nanoseconds of ``reps`` cross-memory-attach copies of ``nbytes`` from address ``frm`` to
-    ``to`` in process ``pid`` (addresses, not arrays: jit's compile notice would take arrays
-    for a payload and announce an engine's compile)."""
-    t0 = monotonic_ns()
+def _wait_for(ctrl, word, target):  # type: ignore[no-untyped-def]
+    """Wait until ``ctrl[word] >= target``: pause, and yield when the other thread has no core."""
+    idle = 0
+    while load_acquire(ctrl, word) < target:
+        cpu_pause()
+        idle += 1
+        if idle >= _IDLE_SPINS:
+            sched_yield()
+            idle = 0
+
+
+@jit
+def _ring_exchange(ctrl, me, src, dst, out_slots, in_slots, nbytes, reps):  # type: ignore[no-untyped-def]
+    """Thread ``me`` (0 or 1) sends ``nbytes`` from address ``src`` to the other thread through a
+    ring of slots at ``out_slots`` while it receives as much into ``dst`` from the other's ring
+    at ``in_slots``, ``reps`` times: as a 2-rank exchange runs through the rings, a slot sent
+    whenever one is free, a slot taken whenever one has arrived. ``ctrl`` holds each ring's head
+    and tail (words ``16 r`` and ``16 r + 8`` for the ring of thread ``r``, lines apart), counting
+    slots on from the exchange before."""
+    out_head, out_tail = 16 * me, 16 * me + 8
+    in_head, in_tail = 16 * (1 - me), 16 * (1 - me) + 8
+    head = ctrl[out_head]  # (each thread's own words: the other only reads them)
+    tail = ctrl[in_tail]
+    idle = 0
     for _ in range(reps):
-        vm_copy(pid, to, frm, nbytes, False)
-    return monotonic_ns() - t0
+        sent = 0
+        got = 0
+        while sent < nbytes or got < nbytes:
+            if sent < nbytes and head - load_acquire(ctrl, out_tail) < _NSLOTS:
+                m = min(_SLOT_BYTES, nbytes - sent)
+                move_bytes(out_slots + (head % _NSLOTS) * _SLOT_BYTES, src + sent, m)
+                head += 1
+                store_release(ctrl, out_head, head)
+                sent += m
+                idle = 0
+            elif got < nbytes and load_acquire(ctrl, in_head) > tail:
+                m = min(_SLOT_BYTES, nbytes - got)
+                move_bytes(dst + got, in_slots + (tail % _NSLOTS) * _SLOT_BYTES, m)
+                tail += 1
+                store_release(ctrl, in_tail, tail)
+                got += m
+                idle = 0
+            else:
+                cpu_pause()
+                idle += 1
+                if idle >= _IDLE_SPINS:  # the other thread has no core now: let it have ours
+                    sched_yield()
+                    idle = 0
+
+
+# The words :func:`_races` shares between its two threads: the rings' counters (0-31), its
+# barrier (32), the buffers' addresses (from _BUFS: both sources, both destinations, both rings'
+# slots), then each thread's times (from _TIMES; one int64 array, not several: jit's compile
+# notice would take three int64 arrays for an engine's payload).
+_BARRIER, _BUFS, _TIMES = 32, 40, 48
+
+
+@jit
+def _races(words, me, pid, nbytes, reps, rounds):  # type: ignore[no-untyped-def]
+    """Thread ``me``'s side of ``rounds`` races at ``nbytes``: each starts together with the other
+    thread (a barrier), exchanges through the rings, meets it again, then copies the other's
+    block by cross-memory attach (``process_vm_readv``), each ``reps`` times, and writes the
+    nanoseconds of both into its times (see :data:`_TIMES`)."""
+    src, peer_src, dst = words[_BUFS + me], words[_BUFS + 1 - me], words[_BUFS + 2 + me]
+    out_slots, in_slots = words[_BUFS + 4 + me], words[_BUFS + 5 - me]
+    times = _TIMES + me * 2 * rounds
+    meet = 0
+    for r in range(rounds):
+        for k in range(2):
+            meet += 2
+            fetch_add(words, _BARRIER, 1)
+            _wait_for(words, _BARRIER, meet)
+            t0 = monotonic_ns()
+            if k == 0:
+                _ring_exchange(words, me, src, dst, out_slots, in_slots, nbytes, reps)
+            else:
+                for _ in range(reps):
+                    vm_copy(pid, dst, peer_src, nbytes, False)
+            words[times + 2 * r + k] = monotonic_ns() - t0
+    return 0
 
 
 def warm() -> None:
-    """Compile (or load from the cache) what :func:`block_ns` runs, before ranks start."""
-    _copy_ns(os.getpid(), 0, 0, 0, 0)
+    """Compile (or load from the cache) what :func:`crossover_bytes` runs, before ranks start."""
+    _races(np.zeros(_TIMES, np.int64), 0, os.getpid(), 0, 0, 0)
+
+
+def race(nbytes: int, reps: int = 1, rounds: int = _ROUNDS) -> tuple[int, int]:
+    """(rings, kernel): the best nanoseconds of ``rounds`` races in which two threads exchange
+    ``nbytes`` each way ``reps`` times through rings, and by cross-memory attach (after one
+    untimed race of each)."""
+    held = [np.ones(max(nbytes, 1), np.uint8) for _ in range(4)]  # (ones: pages touched before timing)
+    held += [np.ones(_SLOT_BYTES * _NSLOTS, np.uint8) for _ in range(2)]
+    total = rounds + 1
+    words = np.zeros(_TIMES + 4 * total, np.int64)
+    words[_BUFS : _BUFS + 6] = [x.ctypes.data for x in held]
+    args = [(words, me, os.getpid(), nbytes, reps, total) for me in (0, 1)]
+    other = threading.Thread(target=_races, args=args[1], name="shmcoll-cma-probe", daemon=True)
+    other.start()
+    _races(*args[0])
+    other.join()
+    times = words[_TIMES:].reshape(2, total, 2)
+    both = np.maximum(times[0], times[1])[1:]  # the slower thread of each race; the first untimed
+    return int(both[:, 0].min()), int(both[:, 1].min())
 
 
 @functools.lru_cache(maxsize=1)
-def block_ns() -> int:
-    """Nanoseconds a cross-memory-attach copy of a 16 KiB block takes here (the best of 5
-    rounds of 8 copies of this process's own memory: about 0.3 ms); 0 where cross-memory attach
-    is off. The answer is kept for the process's life."""
+def crossover_bytes() -> int:
+    """The smallest block of :data:`LADDER_BYTES` that two cores exchange by cross-memory attach
+    no slower than through rings (:data:`NEVER`: none; 0: cross-memory attach is off). A size
+    counts when the kernel wins two races in a row there. With one core to run on, the smallest:
+    every hand-off of the rings then waits for the scheduler, and a kernel copy waits for no one.
+    Measured once per process (1-2 ms where the kernel wins at once, 10-20 ms through the whole
+    ladder); the answer is kept for the process's life."""
     if not probe()[0]:
         return 0
-    src = np.ones(BLOCK_BYTES, np.uint8)
-    dst = np.zeros_like(src)
-    where = os.getpid(), dst.ctypes.data, src.ctypes.data, BLOCK_BYTES
-    _copy_ns(*where, 2)  # fault the pages in
-    return max(1, min(int(_copy_ns(*where, 8)) for _ in range(5)) // 8)
+    if len(os.sched_getaffinity(0)) < 2:
+        return LADDER_BYTES[0]
+    for nbytes in LADDER_BYTES:
+        reps = max(1, (1 << 20) // nbytes)
+        # A win must hold twice: where the second thread shares the first one's core (another
+        # process holding the other), the rings' hand-offs wait for the scheduler and lose.
+        rings, kernel = race(nbytes, reps)
+        if kernel <= rings:
+            rings, kernel = race(nbytes, reps)
+            if kernel <= rings:
+                return nbytes
+    return NEVER
+
+
+def describe_crossover(crossover: int) -> str:
+    """What ``auto`` makes of a :func:`crossover_bytes` answer, in words (``shmcoll info`` and
+    the communicator's log)."""
+    from shmcoll.units import format_size
+
+    if crossover <= 0:
+        return "off"
+    if crossover >= NEVER:
+        top = format_size(LADDER_BYTES[-1])
+        return (
+            f"two cores exchange blocks of up to {top} faster through the rings "
+            "(auto weighs cma only where ranks outnumber cores, for large calls)"
+        )
+    return (
+        f"two cores exchange blocks from {format_size(crossover)} on no slower by the kernel "
+        "than through the rings (auto weighs cma for blocks from there)"
+    )

@@ -94,7 +94,7 @@ WORDS_PER_LINE = LINE // 8
 CELL = LINE  # a ring's unit: a message takes whole cells
 MAGIC = 0x6C6C6F636D687300  # "\0shmcoll" little endian: a header that is not ours fails fast
 VERSION = 6  # 2: A_GROUP_SIZE; 3: rank records with WAIT_PEER, liveness lines; 4: mailboxes; 5: 3-line channels, MSG;
-# 6: rings of cells. (A_CMA_BLOCK_NS took a word of line 1 that 6 left zero and moved nothing, so
+# 6: rings of cells. (A_CMA_CROSSOVER took a word of line 1 that 6 left zero and moved nothing, so
 # the version, which tune tables record to be judged by, stays.)
 SLOT_HEADER_BYTES = 32
 
@@ -103,7 +103,10 @@ H_MAGIC, H_VERSION, H_TOKEN, H_WORLD_SIZE, H_NSLOTS, H_SLOT_BYTES, H_TOTAL = ran
 A_ATTACHED = 8  # line 1
 A_DETACHED = 9
 A_GROUP_SIZE = 10  # ranks per group for hierarchical plans, set by the first rank to need it (0: not yet)
-A_CMA_BLOCK_NS = 11  # shm.cma.block_ns as the first rank to need it measured it (0: not yet)
+# shm.cma.crossover_bytes as the launcher, or else the first rank to need it, measured it (0: not
+# yet; CMA_MEASURING: a rank is measuring it)
+A_CMA_CROSSOVER = 11
+CMA_MEASURING = -1
 # Abort line (line 2): the first failing rank fills it, then publishes CODE last.
 AB_CODE = 16
 AB_ORIGIN = 17

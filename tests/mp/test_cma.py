@@ -4,6 +4,7 @@ automatic choice, and the clean fallback when it is turned off or not permitted.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 from harness import run_ranks
 
 from shmcoll import config
-from shmcoll.algos.cma import SLOW_BLOCK_NS
+from shmcoll.algos import registry
 from shmcoll.algos.select import choose, decide
 from shmcoll.errors import UnsupportedError
 from shmcoll.plan.algorithm import Query
@@ -133,58 +134,127 @@ def test_auto_weighs_cma_only_for_large_calls() -> None:
     assert reason.algorithm.name != "cma"  # an override it cannot serve is skipped (and logged)
 
 
-def test_auto_waits_for_larger_calls_where_the_kernel_copies_slowly() -> None:
-    def pick(collective: str, nbytes: int, block_ns: int, n: int = 2, inplace: bool = False) -> str:
-        blocked = collective in ("allgather", "alltoall", "scatter", "gather", "reduce_scatter")
-        count = nbytes // 4 // (n if blocked else 1)
-        query = Query(collective, n, count, 4, inplace=inplace, cma=True, cma_block_ns=block_ns)
-        return decide(query, overrides="", table=None).algorithm.name
+def test_auto_weighs_cma_from_the_measured_crossover() -> None:
+    """``Query.cma_crossover`` (where two cores exchange blocks no slower by the kernel than
+    through the rings) moves where ``auto`` starts weighing cma: from ``n`` blocks of it, never
+    below the sizes of ``auto_from``; where ranks outnumber cores, from 4 MiB at the latest."""
 
-    slow, fast = SLOW_BLOCK_NS + 500, SLOW_BLOCK_NS - 500
-    for collective in ("allgather", "alltoall"):  # 2 ranks: 32 KiB, or 64 where slow
-        assert pick(collective, 32 << 10, fast) == "cma" and pick(collective, 32 << 10, 0) == "cma", collective
-        assert pick(collective, 32 << 10, slow) != "cma", collective
-    assert pick("allgather", 64 << 10, slow) == "cma"
-    assert pick("broadcast", 32 << 10, slow) == "cma"  # measured: a tie with the rings, dbtree slower
-    for collective in ("gather", "scatter", "reduce_scatter", "alltoall"):  # 64 KiB, or 128 where slow
-        assert pick(collective, 64 << 10, fast) == "cma", collective
-        assert pick(collective, 64 << 10, slow) != "cma" and pick(collective, 128 << 10, slow) == "cma", collective
-    assert pick("allreduce", 64 << 10, slow) == "cma"  # measured: the others were no faster there
-    # Only 2 ranks' sizes move (above, cma's sizes were measured with the syncs' cost in them)
-    assert pick("allgather", 256 << 10, slow, n=4) == "cma" and pick("allgather", 128 << 10, fast, n=4) != "cma"
-    for inplace in (False, True):  # still one choice whatever a rank's in-place
-        assert choose(Query("alltoall", 2, 4 << 10, 4, inplace=inplace, cma=True, cma_block_ns=slow)).name != "cma"
+    def weighed(collective: str, nbytes: int, crossover: int, n: int = 2, cores: int = 2) -> bool:
+        count = nbytes // 4 // (n if collective not in ("broadcast", "allreduce") else 1)
+        query = Query(collective, n, count, 4, cma=True, cma_crossover=crossover, cores=cores)
+        return registry.get(collective, "cma").for_auto(query, nbytes)
+
+    kinds = ("allgather", "alltoall", "gather", "scatter", "reduce_scatter", "allreduce", "broadcast")
+    for collective in kinds:
+        # not measured (0): the sizes alone; a crossover at the smallest size changes nothing at 2 ranks
+        assert weighed(collective, 1 << 20, 0) and weighed(collective, 1 << 20, cma.LADDER_BYTES[0]), collective
+        assert not weighed(collective, 16 << 10, cma.LADDER_BYTES[0]), collective  # (below auto_from)
+        # a crossover at 256 KiB: from 2 blocks of it at 2 ranks
+        assert not weighed(collective, 256 << 10, 256 << 10) and weighed(collective, 512 << 10, 256 << 10), collective
+        # never: not at 2 ranks with 2 cores, whatever the size
+        assert not weighed(collective, 256 << 20, cma.NEVER), collective
+    # Ranks outnumbering cores: from 4 MiB at the latest (and never below auto_from's sizes)
+    assert not weighed("allgather", 2 << 20, cma.NEVER, n=4) and weighed("allgather", 4 << 20, cma.NEVER, n=4)
+    assert weighed("alltoall", 4 << 20, cma.NEVER, n=4) and weighed("allgather", 256 << 10, 64 << 10, n=4)
+    assert not weighed("allgather", 128 << 10, 16 << 10, n=4)  # (auto_from: 256 KiB at 4 ranks)
+    # ... but with a core each, the crossover holds at any size
+    assert not weighed("allgather", 64 << 20, cma.NEVER, n=4, cores=8)
+    assert weighed("allgather", 1 << 20, 256 << 10, n=4, cores=8) and not weighed(
+        "allgather", 512 << 10, 256 << 10, n=4, cores=8
+    )
+    # The choice follows: the rings where cma is not weighed, one choice whatever a rank's in-place
+    for inplace in (False, True):
+        q = Query("alltoall", 2, 1 << 18, 4, inplace=inplace, cma=True, cma_crossover=cma.NEVER, cores=2)
+        assert choose(q).name != "cma"
+        q = dataclasses.replace(q, cma_crossover=cma.LADDER_BYTES[0])
+        assert choose(q).name == "cma"
+
+
+def test_ranks_wait_for_the_first_measurement_or_take_over_from_a_lost_one(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The arena's crossover word: the first caller measures and publishes; a caller that finds
+    it being measured waits for that answer; one whose measurer never answers publishes its own
+    after the deadline; a launcher's value stands."""
+    import threading
+    import time
+
+    from shmcoll.shm import layout
+    from shmcoll.shm.arena import Arena
+    from shmcoll.shm.segment import new_token
+
+    def arena() -> Arena:
+        return Arena.create(2, 4, 4096, new_token())
+
+    a = arena()
+    try:
+        measured = []
+
+        def slow() -> int:
+            measured.append("first")
+            time.sleep(0.2)
+            return 256 << 10
+
+        first = threading.Thread(target=lambda: measured.append(a.cma_crossover(slow, 10.0)))
+        first.start()
+        while a.word(layout.A_CMA_CROSSOVER) != layout.CMA_MEASURING:
+            time.sleep(0.001)
+        assert a.cma_crossover(lambda: measured.append("second") or 1, 10.0) == 256 << 10
+        first.join()
+        assert measured == ["first", 256 << 10]  # (the second never measured)
+        assert a.cma_crossover(lambda: 1, 10.0) == 256 << 10  # settled
+    finally:
+        a.segment.unlink()
+        a.close()
+    b = arena()
+    try:
+        assert int(b.ctrl[layout.A_CMA_CROSSOVER]) == 0
+        b.ctrl[layout.A_CMA_CROSSOVER] = layout.CMA_MEASURING  # a measurer that died
+        assert b.cma_crossover(lambda: 64 << 10, 0.05) == 64 << 10
+        b.publish_cma_crossover(16 << 10)  # a later launcher's value does not replace it
+        assert b.cma_crossover(lambda: 1, 10.0) == 64 << 10
+    finally:
+        b.segment.unlink()
+        b.close()
+
+
+@permitted
+def test_a_group_measures_the_crossover_before_its_ranks_start() -> None:
+    import shmcoll
+    from shmcoll.shm import layout
+
+    with shmcoll.Group(2) as group:
+        assert group._arena is not None
+        assert int(group._arena.ctrl[layout.A_CMA_CROSSOVER]) == cma.crossover_bytes() > 0
 
 
 def _agreed(comm) -> tuple[int, list[str], bool]:  # type: ignore[no-untyped-def]
-    """Each rank pretends to have measured another copy time; rank 0 asks first, rank 1 after."""
+    """Each rank pretends to measure another crossover; rank 0 asks first, rank 1 after."""
     from shmcoll.comm import calls
 
-    own = cma.block_ns
-    cma.block_ns = lambda: (SLOW_BLOCK_NS + 500) if comm.rank == 0 else (SLOW_BLOCK_NS - 500)
-    sub = comm.split(0)  # an arena of its own: the pool's may have agreed on a time before
+    own = cma.crossover_bytes
+    cma.crossover_bytes = lambda: cma.LADDER_BYTES[0] if comm.rank == 0 else cma.NEVER  # type: ignore[assignment]
+    sub = comm.split(0)  # an arena of its own, which no launcher measured for
     try:
         if sub.rank == 1:
             sub.barrier()
-        agreed = calls.cma_block_ns(sub)
+        agreed = calls.cma_crossover(sub)
         if sub.rank == 0:
             sub.barrier()
-        g = sub.allgather(np.full(4 << 10, sub.rank, np.float32))  # 32 KiB out: cma only where fast
+        g = sub.allgather(np.full(32 << 10, sub.rank, np.float32))  # 256 KiB out: cma only from rank 0's crossover
         labels = [c.label for c in sub._calls.values() if c.kind == "allgather"]
         return agreed, labels, bool((g[1] == 1).all() and (g[0] == 0).all())
     finally:
         sub.close()
-        cma.block_ns = own  # the pool's processes live on
+        cma.crossover_bytes = own  # type: ignore[method-assign]  # the pool's processes live on
 
 
 @permitted
-def test_ranks_take_the_first_measured_copy_time() -> None:
-    """Every rank takes the time rank 0 published, though rank 1 measured one on the other side
-    of the limit: both choose the rings for a 32 KiB allgather, and it runs."""
+def test_ranks_take_the_first_measured_crossover() -> None:
+    """Every rank takes the crossover rank 0 published, though rank 1 measured another: both
+    choose cma for a 256 KiB allgather (with rank 1's figure neither would), and it runs."""
     results = run_ranks(_agreed, 2, timeout=60)
-    assert [agreed for agreed, _, _ in results] == [SLOW_BLOCK_NS + 500] * 2
+    assert [agreed for agreed, _, _ in results] == [cma.LADDER_BYTES[0]] * 2
     for _, labels, right in results:
-        assert right and len(labels) == 1 and "cma" not in labels[0], labels
+        assert right and len(labels) == 1 and "cma" in labels[0], labels
 
 
 def _refused(comm) -> tuple[str, str, bool]:  # type: ignore[no-untyped-def]
@@ -214,10 +284,11 @@ def test_info_and_debug_say_whether_it_is_on() -> None:
         env={**os.environ, **env_off},
     )
     assert info.returncode == 0 and "cross-memory attach" in info.stdout and "off (SHMCOLL_CMA=0)" in info.stdout
-    assert "16 KiB block" not in info.stdout
-    if cma.probe()[0]:  # and how fast the kernel copies here, which moves auto's sizes
+    assert "against the rings" not in info.stdout
+    if cma.probe()[0]:  # and where it beats the rings here, which moves auto's sizes
         info = subprocess.run([sys.executable, "-m", "shmcoll.cli", "info"], capture_output=True, text=True, timeout=60)
-        assert info.returncode == 0 and "copies a 16 KiB block in" in info.stdout, info.stdout
+        line = "cross-memory attach against the rings: two cores exchange blocks "
+        assert info.returncode == 0 and line in info.stdout, info.stdout
     code = "import shmcoll; shmcoll.init().close()"
     run = subprocess.run(
         [sys.executable, "-c", code],
