@@ -54,6 +54,15 @@ log = logging.getLogger("shmcoll")
 TUNE_VERSION = 1
 DEFAULT_ALPHA_S = 0.25e-6  # see docs/simulator.md, "Figures measured here"
 DEFAULT_BETA_BPS = 20e9
+# The built-in model's alpha where ranks outnumber the machine's cores (Query.cores): a message
+# then waits for its receiver to get a core. benchmarks/handoff.py passes a token around 4 ranks
+# on 2 cores in 2.1 us per hand-off (78 ns at 2 ranks), with one rank runnable at a time; in a
+# collective every rank wants a core. Judged by auto_vs_best.py at 4 ranks on the 2-core Zen 5 VM
+# (64 KiB-64 MiB, 6 launches, picks re-judged against the same launches' times): with 0.25 us
+# 16 of 42 picks were over 10% slower than the fastest (ring's allgather and reduce_scatter at
+# 64 KiB-1 MiB 1.4-1.9x direct's: three forwarding hand-offs in a row per piece), with 2 us 14,
+# with 4 us 11 (geometric mean of pick/fastest 1.17 -> 1.09).
+OVERSUBSCRIBED_ALPHA_S = 4e-6
 
 
 # --- overrides -----------------------------------------------------------------------------------
@@ -324,6 +333,8 @@ def decide(
     if not grouped and len(candidates) > 1:
         candidates = [a for a in candidates if a.name != "hierarchical"]
     model = table.model if table is not None else default_model()
+    if table is None and query.cores and query.world_size > query.cores:
+        model = dataclasses.replace(model, alpha_s=OVERSUBSCRIBED_ALPHA_S)
     if nslots is not None and nslots != model.nslots:
         model = dataclasses.replace(model, nslots=nslots)
     if grouped and model.group_size != group_size:

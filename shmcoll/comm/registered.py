@@ -11,6 +11,7 @@ only once the call holds it.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -111,7 +112,7 @@ def _auto(rt: Runtime, coll: Collective, x: np.ndarray, root: Any) -> str:
     chosen = rt._auto_registered_choice.get(key)
     if chosen is None:
         count = x.size // n if coll.blocks_in else x.size
-        query = Query(coll.name, n, count, x.dtype.itemsize, root=int(root), registered=True)
+        query = Query(coll.name, n, count, x.dtype.itemsize, root=int(root), registered=True, cores=os.cpu_count() or 0)
         lay = rt._arena.layout
         chosen = choose(
             query,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from typing import Any
 
 import pytest
 
@@ -380,3 +381,19 @@ def test_allreduce_at_two_ranks_runs_direct_below_cma() -> None:
     ring_faster = {"direct": (9e-6,), "ring": (4e-6,)}
     table = TuneTable(MODEL, 64 * KB, (Measured("allreduce", 2, sizes, ring_faster),), "synthetic")
     assert decide(Query("allreduce", 2, 16 * KB // 4, 4), table=table, slot_bytes=64 * KB).algorithm.name == "ring"
+
+
+def test_ranks_outnumbering_cores_pay_a_longer_hand_off() -> None:
+    """Where ranks outnumber the machine's cores (``Query.cores``), the built-in model's alpha is
+    ``OVERSUBSCRIBED_ALPHA_S``: a chain of forwarding hand-offs (ring's allgather) then loses to
+    ``direct``'s one hand-off per block. With a core per rank, or unknown cores, nothing changes,
+    and a tune table's calibrated model is left as it is."""
+
+    def pick(cores: int, collective: str = "allgather", nbytes: int = 256 << 10, table: Any = None) -> str:
+        return decide(Query(collective, 4, nbytes // 4 // 4, 4, cores=cores), overrides="", table=table).algorithm.name
+
+    assert pick(2) == "direct" and pick(2, nbytes=64 << 10) == "direct"
+    assert pick(0) == pick(8) == pick(4) == "ring"
+    assert pick(2, "allreduce", 16 << 20) == "ring"  # bandwidth still decides large calls
+    table = select.TuneTable(cost.CostModel(select.DEFAULT_ALPHA_S, select.DEFAULT_BETA_BPS), 64 << 10, ())
+    assert pick(2, table=table) == "ring"
