@@ -126,9 +126,11 @@ def _below_crossover(query: Query, size: int) -> bool:
     The race decides this rather than a fixed size, because where the kernel loses differs by
     machine more than any one figure can say (see ``shm/cma.py``): on the Zen 5 VM, at 2 ranks,
     the rings were faster from 64 KiB to 1 MiB in every collective (alltoall 1 MiB 31-33 us
-    against cma's 45-48, allreduce 1 MiB 48 against 89, broadcast 256 KiB 6.1 against 17.3) and
-    within the launches' spread or faster up to 64 MiB, where the sizes of ``auto_from``, measured
-    on an Intel VM, had ``auto`` run cma from 32-64 KiB."""
+    against cma's 45-48, allreduce 1 MiB 48 against 89, broadcast 256 KiB 6.1 against 17.3),
+    where the sizes of ``auto_from``, measured on an Intel VM, had ``auto`` run cma from 32-64
+    KiB; above, cma won or lost by launch (1.7x faster to 1.4x slower at 4 MiB, mostly slower at
+    16 MiB), with whether the kernel had given the buffers huge pages (``benchmarks/RESULTS.md``,
+    stop 33)."""
     crossover = query.cma_crossover
     if crossover <= 0:
         return False

@@ -24,7 +24,7 @@ rings*: a ring moves a byte twice, but both copies are user-space copies, pipeli
 and through slots that stay in the caches. On a 2-core Intel VM cma's allreduce of 1 MiB took 64
 us and beat the rings' 118; on a 2-core AMD (Zen 4) VM 100-118 against the rings' 125-150; on a
 2-core AMD (Zen 5) VM 82-89 against the rings' 48, and the rings won every collective at 2 ranks
-from 64 KiB to 64 MiB (``benchmarks/RESULTS.md``), although a kernel copy of 16 KiB there took
+from 64 KiB to 1 MiB, by up to 3x (``benchmarks/RESULTS.md``), although a kernel copy of 16 KiB there took
 less time (1.7-1.9 us) than on the Zen 4 VM (2.4-2.8), and a 1 MiB one was 3.6x slower than
 numpy's on both. A copy within one process cannot tell those machines apart; how fast two cores
 hand each other data can. So :func:`crossover_bytes` races the two ways, the rings' and the
@@ -222,8 +222,8 @@ def crossover_bytes() -> int:
     no slower than through rings (:data:`NEVER`: none; 0: cross-memory attach is off). A size
     counts when the kernel wins two races in a row there. With one core to run on, the smallest:
     every hand-off of the rings then waits for the scheduler, and a kernel copy waits for no one.
-    Measured once per process (1-2 ms where the kernel wins at once, 10-20 ms through the whole
-    ladder); the answer is kept for the process's life."""
+    Measured once per process (on a 2-core VM the first size's two races took about 2 ms, the
+    whole ladder 12-35 ms); the answer is kept for the process's life."""
     if not probe()[0]:
         return 0
     if len(os.sched_getaffinity(0)) < 2:
