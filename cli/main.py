@@ -58,7 +58,7 @@ def _output(ctx: click.Context, param: click.Parameter, value: str | None) -> st
 
 
 def _stderr_is_tty() -> bool:
-    return click.get_text_stream("stderr").isatty()
+    return sys.stderr.isatty()
 
 
 class _Live:
@@ -219,7 +219,7 @@ def bench(
     live.echo(bench.format_header(meta))
     table = bench.Table.of(cfg, live.echo, stats=stats)
     if live.progress:
-        live.bar = bench.Progress(bench.points(cfg, cfg.nprocs), click.get_text_stream("stderr"))
+        live.bar = bench.Progress(bench.points(cfg, cfg.nprocs), sys.stderr)
     try:
         rows = bench.run(cfg, on_point=live.point, on_rows=table.add)
         interrupted = False
