@@ -213,7 +213,7 @@ class Arena:
     def publish_cma_crossover(self, value: int) -> None:
         """Put ``value`` in the arena before any rank needs it (the launcher, which measures it
         while no rank runs); a value already there stays."""
-        atomic_cas(self.ctrl, layout.A_CMA_CROSSOVER, 0, value)
+        self._agree(layout.A_CMA_CROSSOVER, value)
 
     def _agree(self, word: int, value: int) -> int:
         found = int(atomic_cas(self.ctrl, word, 0, value))

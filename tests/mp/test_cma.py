@@ -195,7 +195,9 @@ def test_ranks_wait_for_the_first_measurement_or_take_over_from_a_lost_one(tmp_p
 
         first = threading.Thread(target=lambda: measured.append(a.cma_crossover(slow, 10.0)))
         first.start()
+        give_up = time.monotonic() + 10
         while a.word(layout.A_CMA_CROSSOVER) != layout.CMA_MEASURING:
+            assert time.monotonic() < give_up, "the first caller never claimed the word"
             time.sleep(0.001)
         assert a.cma_crossover(lambda: measured.append("second") or 1, 10.0) == 256 << 10
         first.join()
