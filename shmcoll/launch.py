@@ -130,7 +130,8 @@ class Group:
         self._owner_pid = os.getpid()
         if world_size > 1 and cma.probe()[0]:
             # Measured here, before any rank runs, rather than by a rank among busy peers (once
-            # per process: 1-20 ms); auto's choices of cma follow it (shm.cma.crossover_bytes).
+            # per process: about 2 ms where the kernel wins at once, 12-35 ms through the whole ladder on
+            # a 2-core VM); auto's choices of cma follow it (shm.cma.crossover_bytes).
             self._arena.publish_cma_crossover(cma.crossover_bytes())
 
     @classmethod
