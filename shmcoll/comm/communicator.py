@@ -1226,6 +1226,9 @@ class Communicator(PersistentForms):
             ShmcollError: the peer died, the call timed out, or the communicator was aborted; the
                 communicator is then broken.
         """
+        p2p = self._p2p
+        if p2p is not None and timeout is None and p2p.send_again(x, dst, tag):
+            return  # the lean path: the same array as the last direct send (p2p.send_again)
         if type(x) is not np.ndarray:
             x = self._p2p_array(x, dst, tag, True)
             if x is None:
@@ -1260,6 +1263,11 @@ class Communicator(PersistentForms):
             ShmcollError: the sender died, the call timed out, or the communicator was aborted; the
                 communicator is then broken.
         """
+        p2p = self._p2p
+        if p2p is not None and timeout is None:
+            status = p2p.recv_again(buf, src, tag)  # the lean path (p2p.recv_again)
+            if status is not None:
+                return status
         if type(buf) is not np.ndarray:
             status = self._p2p_array(buf, src, tag, False)
             if isinstance(status, Status):

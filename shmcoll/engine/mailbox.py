@@ -19,9 +19,13 @@ only when one sleeps), and a rank with nothing to do sleeps on its own doorbell
 
 from __future__ import annotations
 
+import numpy as np
+from numba import carray
+
 from shmcoll.jit import jit
 from shmcoll.kernels.cpu import copy
 from shmcoll.shm.atomics import (
+    address_as_pointer,
     cpu_pause,
     fetch_add,
     futex_wait,
@@ -221,10 +225,124 @@ def take(ctrl, data, geo, src, tag, dtype, out, header):  # type: ignore[no-unty
     return nbytes
 
 
+# --- the lean path: a repeated blocking send or receive of the same array ---------------------
+# A record of int64 words holds everything such a call passes (the arrays as addresses), so that
+# it enters compiled code through one int, as the collectives' lean path does (engine.entry_at):
+# numba's dispatch of push's ten arguments and take's eight, four arrays each to unbox, was most
+# of a blocking send's 2 us and a receive's 2.5.
+(
+    L_CTRL,
+    L_CTRL_LEN,
+    L_DATA,
+    L_DATA_LEN,
+    L_GEO,
+    L_BUF,
+    L_NBYTES,
+    L_PEER,
+    L_TAG,
+    L_DTYPE,
+    L_NEXT_IDS,
+    L_HEADER,
+    L_SPIN_NS,
+    L_LAST_NBYTES,
+    L_LAST_TAG,
+    L_YIELDS,
+) = range(16)
+LEAN_WORDS = 16
+SAME_AS_LAST = -3  # recv_at: a message of the size and tag of the record's last one
+_W = np.int64  # (the scalar types address_as_pointer makes pointers to)
+_B = np.uint8
+
+
+def lean_record(ctrl, data, geo, buf, peer, tag, dtype, next_ids, header, spin_ns, yields):  # type: ignore[no-untyped-def]
+    """The record :func:`send_at` or :func:`recv_at` takes for one call shape: ``buf`` (the
+    message's or the receive's bytes), the peer, the tag (-1: any, for a receive), the dtype
+    code, the sender's next message ids (one per outgoing mailbox), where a receive's header goes,
+    and how long a receive spins and how often it yields for its message (the communicator's
+    waits). The caller keeps every array alive."""
+    r = np.zeros(LEAN_WORDS, np.int64)
+    r[L_CTRL], r[L_CTRL_LEN] = ctrl.ctypes.data, ctrl.shape[0]
+    r[L_DATA], r[L_DATA_LEN] = data.ctypes.data, data.shape[0]
+    r[L_GEO] = geo.ctypes.data
+    r[L_BUF], r[L_NBYTES] = buf.ctypes.data, buf.shape[0]
+    r[L_PEER], r[L_TAG], r[L_DTYPE] = peer, tag, dtype
+    r[L_NEXT_IDS] = next_ids.ctypes.data
+    r[L_HEADER] = header.ctypes.data
+    r[L_SPIN_NS] = spin_ns
+    r[L_LAST_NBYTES] = -1
+    r[L_YIELDS] = yields
+    return r
+
+
+@jit
+def send_at(record):  # type: ignore[no-untyped-def]
+    """:func:`push` of a one-fragment message as ``record`` describes it (:func:`lean_record`),
+    taking its id from the sender's next ids: 1 if it is in its mailbox, 0 if no slot was free
+    (nothing was written)."""
+    rec = carray(address_as_pointer(record, _W), LEAN_WORDS)
+    ctrl = carray(address_as_pointer(rec[L_CTRL], _W), rec[L_CTRL_LEN])
+    data = carray(address_as_pointer(rec[L_DATA], _B), rec[L_DATA_LEN])
+    geo = carray(address_as_pointer(rec[L_GEO], _W), 9)
+    payload = carray(address_as_pointer(rec[L_BUF], _B), rec[L_NBYTES])
+    ids = carray(address_as_pointer(rec[L_NEXT_IDS], _W), geo[G_WORLD])
+    dst = rec[L_PEER]
+    msg_id = ids[dst]
+    sent = push(ctrl, data, geo, dst, payload, 0, msg_id, rec[L_TAG], rec[L_NBYTES], rec[L_DTYPE])
+    if sent == 1:
+        ids[dst] = msg_id + 1
+    return sent
+
+
+@jit
+def recv_at(record):  # type: ignore[no-untyped-def]
+    """:func:`take` as ``record`` describes it (:func:`lean_record`), waiting for the message
+    as the communicator's waits begin (spin, then ``sched_yield``; a ping-pong's answer comes
+    within a microsecond or two where the peer has a core of its own, and where ranks outnumber
+    cores the sender needs this core: yielding here, not after a return to Python, is most of
+    what took a 4-rank ring on 2 cores from 9.0-10.2 to 2.3-4.0 us per hop,
+    ``benchmarks/handoff.py``): the message's size in bytes, its header in the
+    record's header words, or :data:`SAME_AS_LAST` where its size and tag are the last message's
+    this record took (the caller's Status of it is this one's too); -1: still empty (the caller
+    sleeps the general way, which minds timeouts and lost peers), -2: the next message is for the
+    general path."""
+    rec = carray(address_as_pointer(record, _W), LEAN_WORDS)
+    ctrl = carray(address_as_pointer(rec[L_CTRL], _W), rec[L_CTRL_LEN])
+    data = carray(address_as_pointer(rec[L_DATA], _B), rec[L_DATA_LEN])
+    geo = carray(address_as_pointer(rec[L_GEO], _W), 9)
+    out = carray(address_as_pointer(rec[L_BUF], _B), rec[L_NBYTES])
+    header = carray(address_as_pointer(rec[L_HEADER], _W), 4)
+    bell = geo[G_DOORBELL_BASE] + geo[G_RANK] * WORDS_PER_LINE + D_DOORBELL
+    end = 0
+    yields = 0
+    while True:
+        seen = load_acquire(ctrl, bell)
+        got = take(ctrl, data, geo, rec[L_PEER], rec[L_TAG], rec[L_DTYPE], out, header)
+        if got >= 0:
+            if got == rec[L_LAST_NBYTES] and header[1] == rec[L_LAST_TAG]:
+                return SAME_AS_LAST
+            rec[L_LAST_NBYTES] = got
+            rec[L_LAST_TAG] = header[1]
+            return got
+        if got != -1:
+            return got
+        now = monotonic_ns()
+        if end == 0:
+            end = now + rec[L_SPIN_NS]
+        if now < end:
+            for _ in range(64):  # until the doorbell moves (a message, or a freed slot)
+                cpu_pause()
+                if load_acquire(ctrl, bell) != seen:
+                    break
+            continue
+        while yields < rec[L_YIELDS] and load_acquire(ctrl, bell) == seen:
+            sched_yield()
+            yields += 1
+        if load_acquire(ctrl, bell) == seen:
+            return -1
+
+
 def warm() -> None:
     """Compile (or load from the cache) the mailbox functions."""
-    import numpy as np
-
     words = np.zeros(64, np.int64)
     geo = np.zeros(9, np.int64)
     geo[G_WORLD] = 1
@@ -237,3 +355,19 @@ def warm() -> None:
     pull(words, data, geo, 0, data, 1, 1, 0)
     push(words, data, geo, 0, data, 1, 1, 0, 0, 0)
     take(words, data, geo, 0, 0, 0, data, np.zeros(4, np.int64))
+    lean_entries()
+
+
+_LEAN: list[object] = []
+
+
+def lean_entries():  # type: ignore[no-untyped-def]
+    """The compiled entry points of (:func:`send_at`, :func:`recv_at`), each called with a
+    record's address (compiled, or loaded from the cache, on first use); None where numba does
+    not expose them."""
+    if not _LEAN:
+        from numba import types
+
+        entries = (send_at.compile((types.int64,)), recv_at.compile((types.int64,)))
+        _LEAN.append(entries if all(callable(e) for e in entries) else None)
+    return _LEAN[0]

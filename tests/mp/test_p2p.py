@@ -83,6 +83,137 @@ def test_small_blocking_messages_take_the_direct_path(pools) -> None:  # type: i
     assert second[1:] == ([0, 1, 2, 3, 4, 5], (5, [0, 1, 2, 3]), float(1 << 17), (2, [0, 1]))
 
 
+def _lean_and_the_rules(comm):  # type: ignore[no-untyped-def]
+    """A ping-pong repeated with the same arrays runs on the lean path (the direct path, made to
+    count its calls here, is entered only by the first two sends; a receive whose message comes
+    later than the lean path's spin and yields waits on the direct path); around it the
+    matching rules hold: a message of another size or tag into the same buffer gets its own
+    Status, a message kept aside or a nonblocking send queued ahead sends the next call the
+    general way and keeps the order, and a buffer made read-only or given another dtype in place
+    is refused as on any path."""
+    r, peer = comm.rank, 1 - comm.rank
+    p2p = comm._point_to_point()
+    calls = {"send_now": 0, "recv_now": 0, "recv_again": 0}
+    direct = p2p.send_now, p2p.recv_now
+    again = p2p.recv_again
+
+    def lean_recv(*args):  # type: ignore[no-untyped-def]
+        st = again(*args)
+        calls["recv_again"] += st is not None
+        return st
+
+    def counted(name, fn):  # type: ignore[no-untyped-def]
+        def call(*args):  # type: ignore[no-untyped-def]
+            calls[name] += 1
+            return fn(*args)
+
+        return call
+
+    p2p.send_now, p2p.recv_now = counted("send_now", direct[0]), counted("recv_now", direct[1])
+    p2p.recv_again = lean_recv
+    x, got = np.zeros(3, np.int64), np.zeros(3, np.int64)
+    seen = []
+    try:
+        for k in range(100):
+            x[:] = (k, r, k * k)
+            if r == 0:
+                comm.send(x, peer, tag=2)
+                st = comm.recv(got, peer)
+            else:
+                st = comm.recv(got, peer)
+                comm.send(x, peer, tag=2)
+            seen.append((st.source, st.tag, st.count, got.tolist() == [k, peer, k * k]))
+    finally:
+        p2p.send_now, p2p.recv_now = direct
+        p2p.recv_again = again
+    taken = calls["recv_again"] + calls["recv_now"]
+    lean = (calls["send_now"], calls["recv_again"], taken, all(s == (peer, 2, 3, True) for s in seen))
+    if r == 0:
+        comm.send(np.arange(2, dtype=np.int64), peer, tag=9)  # another size and tag, same buffer
+        x[:] = 7
+        comm.send(x, peer, tag=2)
+        comm.send(np.arange(3, dtype=np.int64), peer, tag=5)  # received second: kept aside
+        comm.send(x, peer, tag=2)
+        big = comm.isend(np.ones(1 << 16), peer, tag=2)  # 512 KiB: queued behind the mailbox
+        x[:] = 8
+        comm.send(x, peer, tag=2)  # after the queued message, never before it
+        big.wait()
+        comm.barrier()
+        return lean
+    statuses = []
+    for _ in range(2):
+        st = comm.recv(got, peer)
+        statuses.append((st.tag, st.count, got[: st.count].tolist()))
+    five = comm.recv(np.zeros(3, np.int64), peer, 5)  # the tag-2 message before it waits aside
+    st = comm.recv(got, peer)
+    statuses.append((five.tag, st.tag, st.count, got.tolist()))
+    comm.recv(big := np.zeros(1 << 16), peer, 2)
+    st = comm.recv(got, peer)
+    statuses.append((float(big.sum()), st.count, got.tolist()))
+    comm.barrier()
+    got.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        comm.recv(got, peer)
+    return lean, statuses
+
+
+def test_repeated_messages_of_the_same_arrays_take_the_lean_path_and_keep_the_rules(pools) -> None:  # type: ignore[no-untyped-def]
+    first, (second, statuses) = pools.get(2).run(_lean_and_the_rules)
+    for send_now, lean_recvs, taken, right in (first, second):
+        assert right and send_now == 2 and taken == 100 and lean_recvs >= 1
+    assert statuses == [(9, 2, [0, 1]), (2, 3, [7, 7, 7]), (5, 2, 3, [7, 7, 7]), (float(1 << 16), 3, [8, 8, 8])]
+
+
+def _lean_behind_pending_operations(comm):  # type: ignore[no-untyped-def]
+    """With the lean path set up (two calls each way), a receive posted earlier gets the first
+    message, and a send queued earlier goes first: while nonblocking operations are pending the
+    lean path stands aside (a lean receive spinning for the next message would take it from the
+    posted receive; a lean send into a slot freed meanwhile would pass the queued message)."""
+    r, peer = comm.rank, 1 - comm.rank
+    x, got = np.zeros(4), np.zeros(4)
+    for _ in range(2):
+        if r == 0:
+            comm.send(x, peer, tag=3)
+        else:
+            comm.recv(got, peer)
+    p2p = comm._point_to_point()
+    memo = p2p._send_lean if r == 0 else p2p._recv_lean
+    entered = []  # the lean entry's calls while operations were pending (none may come)
+    enter = memo[4]
+
+    def watched(address):  # type: ignore[no-untyped-def]
+        if p2p._tracked:
+            entered.append(address)
+        return enter(address)
+
+    memo[4] = watched
+    comm.barrier()
+    big_n = 1 << 20  # 8 MiB: 128 fragments, moved by both ranks' progress threads
+    if r == 1:
+        first = comm.irecv(posted := np.zeros(4), peer)  # posted before the lean receive below
+        big = comm.irecv(large := np.zeros(big_n), peer, 4)
+        comm.barrier()
+        st = comm.recv(got, peer)  # the second tag-3 message, never the first
+        got_first = got[0]
+        first.wait()
+        big.wait()
+        st2 = comm.recv(got, peer)
+        return float(posted[0]), (st.tag, float(got_first)), float(large[-1]), (st2.tag, float(got[0])), entered
+    comm.barrier()
+    comm.send(np.full(4, 1.0), peer, tag=3)  # the posted receive's
+    comm.send(np.full(4, 2.0), peer, tag=3)  # the lean receive's
+    req = comm.isend(np.full(big_n, 5.0), peer, tag=4)  # mostly queued: the mailbox holds a few slots
+    x[:] = 6.0
+    comm.send(x, peer, tag=3)  # behind the queued fragments
+    req.wait()
+    return entered
+
+
+def test_the_lean_path_stands_aside_for_pending_operations(pools) -> None:  # type: ignore[no-untyped-def]
+    sender, receiver = pools.get(2).run(_lean_behind_pending_operations)
+    assert receiver == (1.0, (3, 2.0), 5.0, (3, 6.0), []) and sender == []
+
+
 def _self_and_both_ways(comm):  # type: ignore[no-untyped-def]
     r, n = comm.rank, comm.world_size
     small = np.arange(3, dtype=np.int32)
