@@ -103,15 +103,30 @@ def _broadcast_from(world_size: int) -> int:
     return 32 << 10 if world_size <= 2 else auto_from(world_size)
 
 
-# Where ranks outnumber cores, ``auto`` weighs cma from this call size on whatever the race of
+# Where ranks outnumber cores, ``auto`` weighs cma from these call sizes on whatever the race of
 # ``Query.cma_crossover`` says: the race runs two threads on two cores, and with more ranks than
 # cores the rings' hand-offs wait for the scheduler too, which a kernel copy does not. Measured
-# at 4 ranks on the 2-core Zen 5 VM, where the race never saw the kernel win (``auto_vs_best.py
-# -n 4 -b 64K -e 64M -f 4``, 3 launches): at 4 MiB cma was the fastest in 5 of 7 collectives
-# (allgather 220 us against 486 for ``direct``, reduce_scatter 312 against 466, allreduce 1002
-# against 1142 for ``halving_doubling``; alltoall a tie, gather and scatter 1.2-1.3x slower), at 1
-# MiB slower in 6 of 7 (allgather 119 against 105, alltoall 145 against 111, gather 61 against 35).
-OVERSUBSCRIBED_FROM = 4 << 20
+# at 4 ranks on the 2-core Zen 5 VM, where the race never saw the kernel win: cma's time over the
+# fastest ring's, median of 12 launches (``auto_vs_best.py -n 4 -b 1M -e 64M -f 4 --repeat 3``,
+# four runs; 6 launches at 64 MiB): allgather 1.38 at 1 MiB, **0.67** at 4, 1.15 at 16, 1.25 at 64;
+# allreduce 1.52, 1.28, **0.93**, **0.85**; reduce_scatter 1.78, 1.30, 1.00, **0.92**; scatter 1.73,
+# 1.30, **0.93**, **0.60**; gather 1.76, 1.31, 1.50, **0.85**; alltoall 1.00, 1.27, 1.03, 1.00, and in
+# 6 later launches 1.27, 1.05, 0.92, **0.79** at 64 MiB. A launch can differ by 2x either way
+# (broadcast 4 MiB out of place: 0.31-0.65 in 12 of 18 launches, 1.6-2.1 in the other 6; whether
+# the kernel gave the buffers huge pages, see ``shm/cma.py``), so these are where cma wins more
+# often than not, from the first size where it does. One run of 3 launches before this table
+# (stop 33) had cma faster at 4 MiB in 5 of 7 collectives; the 18 since, in 2 of 7 (allgather
+# and, out of place, broadcast). Re-judging the 6 later launches, which the table was not read
+# from: 10 of 64 of ``auto``'s picks more than 10% slower than the fastest with this table, 12
+# with cma from 4 MiB in every collective.
+OVERSUBSCRIBED_FROM = {
+    "allreduce": 16 << 20,
+    "reduce_scatter": 16 << 20,
+    "scatter": 16 << 20,
+    "gather": 64 << 20,
+    "alltoall": 64 << 20,
+}
+OVERSUBSCRIBED_DEFAULT = 4 << 20  # allgather; broadcast (which _broadcast_skips keeps to 16 MiB)
 
 
 def _below_crossover(query: Query, size: int) -> bool:
@@ -120,7 +135,7 @@ def _below_crossover(query: Query, size: int) -> bool:
     (``Query.cma_crossover``, measured by ``shm.cma.crossover_bytes``): below ``n`` times the
     crossover, a block being the bytes a rank moves to one peer, about ``size / n`` in every
     collective here (the reductions' chunks, the broadcast's shares). Where ranks outnumber the
-    machine's cores, from :data:`OVERSUBSCRIBED_FROM` on at the latest. Not measured (0): the
+    machine's cores, from the collective's :data:`OVERSUBSCRIBED_FROM` on at the latest. Not measured (0): the
     sizes of ``auto_from`` alone decide.
 
     The race decides this rather than a fixed size, because where the kernel loses differs by
@@ -136,7 +151,7 @@ def _below_crossover(query: Query, size: int) -> bool:
         return False
     start = query.world_size * crossover
     if query.cores and query.world_size > query.cores:
-        start = min(start, OVERSUBSCRIBED_FROM)
+        start = min(start, OVERSUBSCRIBED_FROM.get(query.collective, OVERSUBSCRIBED_DEFAULT))
     return size < start
 
 
@@ -344,10 +359,13 @@ def _allreduce_from(world_size: int) -> int:
     """:func:`auto_from` for allreduce: 64 KiB at 2 ranks, 128 KiB at 3-4 (measured on the 2-core
     machine, ``auto_vs_best.py -c allreduce``: 2 ranks 128 KiB 15.4 against 18.5 us for the best
     other algorithm, 512 KiB 51 against 70, 8 MiB 851 against 1248, 32 KiB a tie; 4 ranks 128 KiB
-    45 against 52, 512 KiB 137 against 192, 8 MiB 2217 against 2989, 32 KiB 29 against 20); not
-    above 4 ranks, where it was never measured (its plans grow as parts x peers)."""
+    45 against 52, 512 KiB 137 against 192, 8 MiB 2217 against 2989, 32 KiB 29 against 20). Above 4
+    ranks, from 16 MiB: measured only with ranks outnumbering cores, 8 ranks on 2 cores
+    (``auto_vs_best.py -n 8 -b 1M -e 16M -f 4``, 3 launches: 16 MiB 9.4 ms against 12.4 for ``ps``,
+    the fastest ring; 4 MiB 3.1 against 3.5, 1 MiB 0.83 against 0.78; stop 33 saw it 1.2-1.4x faster
+    from 4 to 16 MiB); where each rank has a core, the race of :func:`_below_crossover` decides too."""
     if world_size > 4:
-        return 1 << 62
+        return 16 << 20
     return 64 << 10 if world_size <= 2 else 128 << 10
 
 
@@ -355,7 +373,7 @@ def _preferred(auto_from: Callable[[int], int]) -> Callable[[int, int], bool]:
     """``Algorithm.auto_prefer`` for the reductions: from ``auto_from`` on, up to 4 ranks, ``auto``
     runs cma without asking the cost model, which charges the copy of a peer's part into scratch
     as a full copy and does not see that the combination then reads it from the cache (above 4
-    ranks, where it was not measured, ``auto_from`` keeps them out of ``auto``)."""
+    ranks the model decides, from ``auto_from``'s 16 MiB)."""
 
     def prefer(world_size: int, size: int) -> bool:
         return world_size <= 4 and size >= auto_from(world_size)
@@ -394,9 +412,11 @@ def allreduce(ctx: Context) -> None:
 def _reduce_scatter_from(world_size: int) -> int:
     """:func:`auto_from` for reduce_scatter: 64 KiB at 2 ranks (64 KiB: 4.2 against 4.5 us for the
     rings, 512 KiB 17.8 against 31; 8 KiB: 2.3 against 1.6), 1 MiB above (4 ranks: 168 against
-    182 us, 4 MiB 666 against 796; 256 KiB a tie, 64 KiB 20 against 14)."""
+    182 us, 4 MiB 666 against 796; 256 KiB a tie, 64 KiB 20 against 14); above 4 ranks from 16 MiB, as
+    :func:`_allreduce_from` (8 ranks on 2 cores, the same launches: 16 MiB 5.5 ms against 6.0 for
+    ``ring``; 4 MiB 2.5 against 1.6)."""
     if world_size > 4:
-        return 1 << 62  # (not measured: see _allreduce_from)
+        return 16 << 20
     return 64 << 10 if world_size <= 2 else 1 << 20
 
 

@@ -137,7 +137,8 @@ def test_auto_weighs_cma_only_for_large_calls() -> None:
 def test_auto_weighs_cma_from_the_measured_crossover() -> None:
     """``Query.cma_crossover`` (where two cores exchange blocks no slower by the kernel than
     through the rings) moves where ``auto`` starts weighing cma: from ``n`` blocks of it, never
-    below the sizes of ``auto_from``; where ranks outnumber cores, from 4 MiB at the latest."""
+    below the sizes of ``auto_from``; where ranks outnumber cores, from a size per collective
+    (``OVERSUBSCRIBED_FROM``) at the latest."""
 
     def weighed(collective: str, nbytes: int, crossover: int, n: int = 2, cores: int = 2) -> bool:
         count = nbytes // 4 // (n if collective not in ("broadcast", "allreduce") else 1)
@@ -153,9 +154,20 @@ def test_auto_weighs_cma_from_the_measured_crossover() -> None:
         assert not weighed(collective, 256 << 10, 256 << 10) and weighed(collective, 512 << 10, 256 << 10), collective
         # never: not at 2 ranks with 2 cores, whatever the size
         assert not weighed(collective, 256 << 20, cma.NEVER), collective
-    # Ranks outnumbering cores: from 4 MiB at the latest (and never below auto_from's sizes)
+    # Ranks outnumbering cores: from the collective's OVERSUBSCRIBED_FROM at the latest (and never
+    # below auto_from's sizes), whatever the race says
     assert not weighed("allgather", 2 << 20, cma.NEVER, n=4) and weighed("allgather", 4 << 20, cma.NEVER, n=4)
-    assert weighed("alltoall", 4 << 20, cma.NEVER, n=4) and weighed("allgather", 256 << 10, 64 << 10, n=4)
+    starts = (("allreduce", 16 << 20), ("scatter", 16 << 20), ("gather", 64 << 20), ("alltoall", 64 << 20))
+    for collective, start in starts:
+        assert not weighed(collective, start // 2, cma.NEVER, n=4) and weighed(collective, start, cma.NEVER, n=4)
+    assert weighed("alltoall", 4 << 20, 256 << 10, n=4) and weighed("allgather", 256 << 10, 64 << 10, n=4)
+    # The reductions above 4 ranks: from 16 MiB, where ranks outnumber cores or the race says so
+    for collective in ("allreduce", "reduce_scatter"):
+        assert not weighed(collective, 8 << 20, cma.NEVER, n=8) and weighed(collective, 16 << 20, cma.NEVER, n=8)
+        assert not weighed(collective, 64 << 20, cma.NEVER, n=8, cores=8)
+        assert weighed(collective, 16 << 20, 64 << 10, n=8, cores=8)
+    q = Query("allreduce", 8, 4 << 20, 4, cma=True, cma_crossover=cma.NEVER, cores=2)
+    assert choose(q).name == "cma" and choose(dataclasses.replace(q, count=1 << 20)).name != "cma"
     assert not weighed("allgather", 128 << 10, 16 << 10, n=4)  # (auto_from: 256 KiB at 4 ranks)
     # ... but with a core each, the crossover holds at any size
     assert not weighed("allgather", 64 << 20, cma.NEVER, n=4, cores=8)
