@@ -50,6 +50,7 @@ import numpy as np
 from shmcoll import config
 from shmcoll.comm import Communicator
 from shmcoll.engine import cpu as engine
+from shmcoll.engine import mailbox
 from shmcoll.errors import ShmcollError, SpawnError
 from shmcoll.shm import cma, layout
 from shmcoll.shm.arena import Arena, ArenaHandle
@@ -68,9 +69,12 @@ _GRACE_S = 5.0  # how long survivors of a failure get to report before they are 
 
 
 def warm_kernels(dtypes: Sequence[np.dtype] = WARM_DTYPES) -> None:
-    """Compile (or load from the cache) the engine for ``dtypes`` in this process."""
+    """Compile (or load from the cache) the engine for ``dtypes`` in this process, and point to
+    point's functions (a rank compiling them at its first message, on a cold cache, held its
+    peers up for seconds)."""
     engine.warm(dtypes)
     cma.warm()
+    mailbox.warm()
 
 
 def _set_parent_death_signal() -> None:

@@ -13,6 +13,7 @@ import pytest
 
 import shmcoll
 from shmcoll import ANY_SOURCE, ANY_TAG, PeerLostError, ShmcollError
+from shmcoll.engine import mailbox
 
 
 def _tags_and_order(comm):  # type: ignore[no-untyped-def]
@@ -178,13 +179,17 @@ def _lean_behind_pending_operations(comm):  # type: ignore[no-untyped-def]
             comm.recv(got, peer)
     p2p = comm._point_to_point()
     memo = p2p._send_lean if r == 0 else p2p._recv_lean
-    entered = []  # the lean entry's calls while operations were pending (none may come)
+    entered = []  # lean calls that did something while an operation was pending throughout (none may)
     enter = memo[4]
 
     def watched(address):  # type: ignore[no-untyped-def]
-        if p2p._tracked:
-            entered.append(address)
-        return enter(address)
+        with p2p._lock:
+            before = set(p2p._tracked)
+        got = enter(address)
+        with p2p._lock:
+            if before & p2p._tracked and got != mailbox.BUSY:
+                entered.append(got)
+        return got
 
     memo[4] = watched
     comm.barrier()
@@ -212,6 +217,57 @@ def _lean_behind_pending_operations(comm):  # type: ignore[no-untyped-def]
 def test_the_lean_path_stands_aside_for_pending_operations(pools) -> None:  # type: ignore[no-untyped-def]
     sender, receiver = pools.get(2).run(_lean_behind_pending_operations)
     assert receiver == (1.0, (3, 2.0), 5.0, (3, 6.0), []) and sender == []
+
+
+def _two_threads(comm):  # type: ignore[no-untyped-def]
+    """Two threads of each rank exchange messages at once on one communicator: one repeats the
+    same arrays with tag 1 (the lean path, holding the gate and no lock), the other sends new
+    arrays with tag 2, a nonblocking receive posted around every other one (the general path).
+    Every message arrives whole and in order; nothing hangs."""
+    import threading
+
+    peer = 1 - comm.rank
+    rounds = 1000
+    results: dict[int, list[int]] = {1: [], 2: []}
+    errors: list[BaseException] = []
+
+    def lean() -> None:
+        x, got = np.zeros(8, np.int64), np.zeros(8, np.int64)
+        for k in range(rounds):
+            x[:] = k
+            comm.send(x, peer, tag=1)
+            comm.recv(got, peer, 1)
+            results[1].append(int(got.sum()) // 8)
+
+    def general() -> None:
+        for k in range(rounds):
+            comm.send(np.full(5, k, np.int64), peer, tag=2)
+            if k % 2:
+                req = comm.irecv(got := np.zeros(5, np.int64), peer, 2)
+                req.wait()
+            else:
+                comm.recv(got := np.zeros(5, np.int64), peer, 2)
+            results[2].append(int(got[0]) if (got == got[0]).all() else -1)
+
+    def run(fn):  # type: ignore[no-untyped-def]
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(fn,)) for fn in (lean, general)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return results[1] == list(range(rounds)), results[2] == list(range(rounds)), any(t.is_alive() for t in threads)
+
+
+def test_threads_sharing_a_communicator_mix_the_lean_and_general_paths(pools) -> None:  # type: ignore[no-untyped-def]
+    for lean_ok, general_ok, hung in pools.get(2).run(_two_threads):
+        assert lean_ok and general_ok and not hung
 
 
 def _self_and_both_ways(comm):  # type: ignore[no-untyped-def]
