@@ -1227,7 +1227,7 @@ class Communicator(PersistentForms):
                 communicator is then broken.
         """
         p2p = self._p2p
-        if p2p is not None and timeout is None and p2p.send_again(x, dst, tag):
+        if p2p is not None and p2p._send_lean is not None and timeout is None and p2p.send_again(x, dst, tag):
             return  # the lean path: the same array as the last direct send (p2p.send_again)
         if type(x) is not np.ndarray:
             x = self._p2p_array(x, dst, tag, True)
@@ -1264,7 +1264,7 @@ class Communicator(PersistentForms):
                 communicator is then broken.
         """
         p2p = self._p2p
-        if p2p is not None and timeout is None:
+        if p2p is not None and p2p._recv_lean is not None and timeout is None:
             status = p2p.recv_again(buf, src, tag)  # the lean path (p2p.recv_again)
             if status is not None:
                 return status

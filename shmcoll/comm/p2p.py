@@ -147,6 +147,7 @@ class PointToPoint:
         self._wait = (int(rt._state[engine.S_SPIN_NS]), int(rt._state[engine.S_YIELDS]))
         self._lock = _Guard(self)  # (a Python lock and the lean path's gate: see _Guard)
         self._next_id = np.ones(n, np.int64)  # per outgoing mailbox (the lean path's send_at counts too)
+        self._slot_bytes = int(self._geo[mailbox.G_SLOT_BYTES])
         self._current: list[_Message | None] = [None] * n  # the message being pulled, per sender
         self._unexpected: list[_Message] = []  # in arrival order
         self._posted: list[_Receive] = []  # in posting order
@@ -177,7 +178,7 @@ class PointToPoint:
         req = Request(self, None, timeout, f"send(dst={dst}, tag={tag})", 0.0)
         with self._lock:
             self._rt._check_usable()
-            msg_id = int(self._next_id[dst])
+            msg_id = self._next_id.item(dst)
             self._next_id[dst] = msg_id + 1
             s = _Send(dst, payload, int(mailbox.fragments(self._geo, payload.size)), msg_id, tag, dtype, req)
             self._sends[dst].append(s)
@@ -269,10 +270,10 @@ class PointToPoint:
             return False
         payload = (x if x.ndim == 1 else x.reshape(-1)).view(np.uint8)
         with self._lock:
-            if self._tracked or self._sends[dst] or payload.size > self._geo[mailbox.G_SLOT_BYTES]:
+            if self._tracked or self._sends[dst] or payload.size > self._slot_bytes:
                 return False
             self._rt._check_usable()
-            msg_id = int(self._next_id[dst])
+            msg_id = self._next_id.item(dst)
             sent = mailbox.push(self._rt._ctrl, self._data, self._geo, dst, payload, 0, msg_id, tag, payload.size, code)
             if sent != 1:  # no free slot: nothing was written
                 return False
@@ -288,16 +289,16 @@ class PointToPoint:
         second call, as the collectives' lean records: a record costs a few microseconds (numpy's
         ``ctypes.data``), which a program sending a new array every time must not pay. A lean
         call that waited past its spin ends on the direct path and keeps its memo."""
-        key = (a, peer, tag, a.dtype)
+        dtype = a.dtype
         lean = self._send_lean if which == 0 else self._recv_lean
-        if lean is not None and all(x is y for x, y in zip(lean[:4], key, strict=True)):
+        if lean is not None and lean[0] is a and lean[1] is peer and lean[2] is tag and lean[3] is dtype:
             return
         last = self._send_seen if which == 0 else self._recv_seen
-        if last is None or not all(x is y for x, y in zip(last, key, strict=True)):
+        if last is None or last[0] is not a or last[1] is not peer or last[2] is not tag or last[3] is not dtype:
             if which == 0:
-                self._send_seen = key
+                self._send_seen = (a, peer, tag, dtype)
             else:
-                self._recv_seen = key
+                self._recv_seen = (a, peer, tag, dtype)
             return
         entries = mailbox.lean_entries()
         if entries is None:
@@ -308,6 +309,7 @@ class PointToPoint:
             rt._ctrl, self._data, self._geo, gate, flat, peer, tag, code, self._next_id, header, *self._wait
         )
         memo = [a, peer, tag, a.dtype, entries[which], int(rec.ctypes.data), rec, flat, header, None]
+        self._lock.gate_now(entries)
         if which == 0:
             self._send_lean = memo
         else:
@@ -340,7 +342,7 @@ class PointToPoint:
                     return None
                 got = int(mailbox.take(ctrl, self._data, geo, src, tag, code, out, header))
                 got_tag = int(header[1])  # (the header array is shared: read under the lock)
-                if got >= 0 and out.size <= geo[mailbox.G_SLOT_BYTES]:
+                if got >= 0 and out.size <= self._slot_bytes:
                     self._remember(1, buf, out, src, tag, code)
             if got >= 0:
                 return Status(src, got_tag, got // buf.itemsize, got)
@@ -619,13 +621,9 @@ class PointToPoint:
 
     def _quiet(self) -> bool:
         """(lock held) Nothing pending that a lean call could pass: see ``mailbox``'s gate."""
-        return not (
-            self._tracked
-            or self._posted
-            or self._unexpected
-            or any(self._sends)
-            or any(m is not None for m in self._current)
-        )
+        if self._tracked or self._posted or self._unexpected or any(self._sends):
+            return False
+        return self._current.count(None) == self._n
 
     def _check_peer(self, peer: Any, name: str) -> None:
         if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self._n:
@@ -633,34 +631,55 @@ class PointToPoint:
 
 
 class _Guard:
-    """A PointToPoint's lock: a Python lock for its threads, and the gate (``mailbox.hold``) that
-    the lean path's compiled calls take instead, without the Python lock. Held, both are; let go,
-    the gate learns whether the state is quiet (:meth:`PointToPoint._quiet`), which a lean call
-    needs to run at all. A ``threading.Condition`` takes it as its lock (waiting lets go of both)."""
+    """A PointToPoint's lock: a Python lock for its threads and, once the lean path exists (the
+    first lean memo: :meth:`gate_now`), the gate (``mailbox.hold``) that lean calls take instead
+    of the Python lock. Held, both are; let go, the gate learns whether the state is quiet
+    (:meth:`PointToPoint._quiet`), which a lean call needs to run at all. Until a lean memo
+    exists no lean call can run, so a program that never repeats its arrays does not pay for the
+    gate (two compiled calls and the quiet check: 0.5 us per hold). A ``threading.Condition``
+    takes it as its lock (waiting lets go of both)."""
 
     def __init__(self, p2p: PointToPoint) -> None:
         self._p2p = p2p
         self._lock = threading.Lock()
         self.gate = np.zeros(2, np.int64)
         self.gate[mailbox.GATE_QUIET] = 1
+        self._address = int(self.gate.ctypes.data)
+        self._entries: Any = None  # (hold_at, let_go_at) once gating
+        self._gated = False  # whether the holder holds the gate too
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         if not self._lock.acquire(blocking, timeout):
             return False
-        if not mailbox.hold(self.gate, blocking):  # (a lean call holds it for one call at most)
-            self._lock.release()
-            return False
+        entries = self._entries
+        if entries is not None:
+            if not entries[0](self._address, 1 if blocking else 0):  # (a lean call holds it for one call)
+                self._lock.release()
+                return False
+            self._gated = True
         return True
 
+    __enter__ = acquire
+
+    def gate_now(self, entries: Any) -> None:
+        """(lock held) From now on every holder holds the gate too: before the first lean memo
+        is published."""
+        if self._entries is None:
+            entries[2](self._address, 1)
+            self._gated = True
+            self._entries = (entries[2], entries[3])
+
     def release(self) -> None:
-        mailbox.let_go(self.gate, int(self._p2p._quiet()))
+        if self._gated:
+            self._gated = False
+            self._entries[1](self._address, 1 if self._p2p._quiet() else 0)
         self._lock.release()
 
-    def __enter__(self) -> bool:
-        return self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+    def __exit__(self, *exc: object) -> None:  # (release, written out: a frame less per hold)
+        if self._gated:
+            self._gated = False
+            self._entries[1](self._address, 1 if self._p2p._quiet() else 0)
+        self._lock.release()
 
 
 def _check_tag(tag: Any, name: str, wildcard: bool) -> None:

@@ -258,6 +258,18 @@ def let_go(gate, quiet):  # type: ignore[no-untyped-def]
     store_release(gate, GATE_HELD, 0)
 
 
+@jit
+def hold_at(address, blocking):  # type: ignore[no-untyped-def]
+    """:func:`hold` of the gate at ``address`` (its entry point skips numba's dispatch)."""
+    return hold(carray(address_as_pointer(address, _W), 2), blocking)
+
+
+@jit
+def let_go_at(address, quiet):  # type: ignore[no-untyped-def]
+    """:func:`let_go` of the gate at ``address``."""
+    let_go(carray(address_as_pointer(address, _W), 2), quiet)
+
+
 # --- the lean path: a repeated blocking send or receive of the same array ---------------------
 # A record of int64 words holds everything such a call passes (the arrays as addresses), so that
 # it enters compiled code through one int, as the collectives' lean path does (engine.entry_at):
@@ -424,11 +436,18 @@ _LEAN: list[object] = []
 
 def lean_entries():  # type: ignore[no-untyped-def]
     """The compiled entry points of (:func:`send_at`, :func:`recv_at`), each called with a
-    record's address (compiled, or loaded from the cache, on first use); None where numba does
-    not expose them."""
+    record's address, and of (:func:`hold_at`, :func:`let_go_at`), called with a gate's address
+    and an int (compiled, or loaded from the cache, on first use); None where numba does not
+    expose them."""
     if not _LEAN:
         from numba import types
 
-        entries = (send_at.compile((types.int64,)), recv_at.compile((types.int64,)))
+        i64 = types.int64
+        entries = (
+            send_at.compile((i64,)),
+            recv_at.compile((i64,)),
+            hold_at.compile((i64, i64)),
+            let_go_at.compile((i64, i64)),
+        )
         _LEAN.append(entries if all(callable(e) for e in entries) else None)
     return _LEAN[0]
