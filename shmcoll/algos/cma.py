@@ -116,9 +116,9 @@ def _broadcast_from(world_size: int) -> int:
 # the kernel gave the buffers huge pages, see ``shm/cma.py``), so these are where cma wins more
 # often than not, from the first size where it does. One run of 3 launches before this table
 # (stop 33) had cma faster at 4 MiB in 5 of 7 collectives; the 18 since, in 2 of 7 (allgather
-# and, out of place, broadcast). Re-judging the 6 later launches, which the table was not read
-# from: 10 of 64 of ``auto``'s picks more than 10% slower than the fastest with this table, 12
-# with cma from 4 MiB in every collective.
+# and, out of place, broadcast). Re-judging 12 later launches, which the table was not read
+# from: 21 of 128 of ``auto``'s picks more than 10% slower than the fastest with this table, 28
+# with cma from 4 MiB in every collective (``benchmarks/RESULTS.md``, stop 34).
 OVERSUBSCRIBED_FROM = {
     "allreduce": 16 << 20,
     "reduce_scatter": 16 << 20,

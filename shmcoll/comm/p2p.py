@@ -632,7 +632,7 @@ class PointToPoint:
 
 class _Guard:
     """A PointToPoint's lock: a Python lock for its threads and, once the lean path exists (the
-    first lean memo: :meth:`gate_now`), the gate (``mailbox.hold``) that lean calls take instead
+    first lean memo: :meth:`gate_now`), the gate (``mailbox.hold_at``) that lean calls take instead
     of the Python lock. Held, both are; let go, the gate learns whether the state is quiet
     (:meth:`PointToPoint._quiet`), which a lean call needs to run at all. Until a lean memo
     exists no lean call can run, so a program that never repeats its arrays does not pay for the

@@ -239,9 +239,10 @@ BUSY = -4  # send_at / recv_at: the gate was held or the state not quiet; nothin
 
 
 @jit
-def hold(gate, blocking):  # type: ignore[no-untyped-def]
-    """Take the gate (a lean call holds it for one call, a receive for its spin at most);
-    False if ``blocking`` is False and it is held."""
+def hold_at(address, blocking):  # type: ignore[no-untyped-def]
+    """Take the gate at ``address`` (a lean call holds it for one call, a receive for its spin at
+    most); False if ``blocking`` is 0 and it is held. Called through its entry point, with ints."""
+    gate = carray(address_as_pointer(address, _W), 2)
     while compare_exchange(gate, GATE_HELD, 0, 1) != 0:
         if not blocking:
             return False
@@ -252,22 +253,11 @@ def hold(gate, blocking):  # type: ignore[no-untyped-def]
 
 
 @jit
-def let_go(gate, quiet):  # type: ignore[no-untyped-def]
-    """Give the gate back, saying whether the state is quiet."""
+def let_go_at(address, quiet):  # type: ignore[no-untyped-def]
+    """Give the gate at ``address`` back, saying whether the state is quiet."""
+    gate = carray(address_as_pointer(address, _W), 2)
     gate[GATE_QUIET] = quiet
     store_release(gate, GATE_HELD, 0)
-
-
-@jit
-def hold_at(address, blocking):  # type: ignore[no-untyped-def]
-    """:func:`hold` of the gate at ``address`` (its entry point skips numba's dispatch)."""
-    return hold(carray(address_as_pointer(address, _W), 2), blocking)
-
-
-@jit
-def let_go_at(address, quiet):  # type: ignore[no-untyped-def]
-    """:func:`let_go` of the gate at ``address``."""
-    let_go(carray(address_as_pointer(address, _W), 2), quiet)
 
 
 # --- the lean path: a repeated blocking send or receive of the same array ---------------------

@@ -203,6 +203,7 @@ def _lean_behind_pending_operations(comm):  # type: ignore[no-untyped-def]
         first.wait()
         big.wait()
         st2 = comm.recv(got, peer)
+        memo[4] = enter  # (the pool's ranks live on)
         return float(posted[0]), (st.tag, float(got_first)), float(large[-1]), (st2.tag, float(got[0])), entered
     comm.barrier()
     comm.send(np.full(4, 1.0), peer, tag=3)  # the posted receive's
@@ -211,6 +212,7 @@ def _lean_behind_pending_operations(comm):  # type: ignore[no-untyped-def]
     x[:] = 6.0
     comm.send(x, peer, tag=3)  # behind the queued fragments
     req.wait()
+    memo[4] = enter  # (the pool's ranks live on)
     return entered
 
 
@@ -255,7 +257,7 @@ def _two_threads(comm):  # type: ignore[no-untyped-def]
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(fn,)) for fn in (lean, general)]
+    threads = [threading.Thread(target=run, args=(fn,), daemon=True) for fn in (lean, general)]
     for t in threads:
         t.start()
     for t in threads:
