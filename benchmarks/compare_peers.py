@@ -829,14 +829,21 @@ class Line:
     cells: dict[str, Cell]  # by library; absent = not measured
     ratios: dict[str, float]  # peer time / shmcoll time, by peer; absent = not comparable
     best: str | None  # the fastest peer with no wrong element
+    # Per peer: the median over rounds of the ratio within one round, and how many rounds paired.
+    # The libraries take turns per collective within a round, so a slow spell of the machine
+    # (minutes here) hits both sides of a round's ratio; a ratio of medians can instead set one
+    # library's slow round against the other's fast one.
+    paired: dict[str, tuple[float, int]] = dataclasses.field(default_factory=dict)
 
 
 def compare(comp: Comparison) -> dict[tuple[str, int], list[Line]]:
     """Per (collective, world size), per size: each library's median time, ratios, the best peer."""
     grouped: dict[tuple[str, int, int, str], list[Any]] = {}
+    by_round: dict[tuple[str, int, int, str], dict[int, float]] = {}
     for m in comp.measurements:
         r = m.row
         grouped.setdefault((r.collective, r.world_size, r.size, m.library), []).append(r)
+        by_round.setdefault((r.collective, r.world_size, r.size, m.library), {})[m.round] = r.time_us
     tables: dict[tuple[str, int], dict[int, dict[str, Cell]]] = {}
     for (collective, world, size, lib), rows in grouped.items():
         t = float(np.median([r.time_us for r in rows]))
@@ -857,7 +864,14 @@ def compare(comp: Comparison) -> dict[tuple[str, int], list[Line]]:
                     ratios[lib] = cell.time_us / base.time_us
             ok = [lib for lib in ratios if cells[lib].wrong <= 0]
             best = min(ok, key=lambda lib: cells[lib].time_us) if ok else None
-            lines.append(Line(size, cells, ratios, best))
+            paired: dict[str, tuple[float, int]] = {}
+            ours = by_round.get((*key, size, "shmcoll"), {})
+            for lib in ratios:
+                theirs = by_round[(*key, size, lib)]
+                both = [theirs[k] / ours[k] for k in sorted(set(ours) & set(theirs)) if ours[k] > 0]
+                if both:
+                    paired[lib] = (float(np.median(both)), len(both))
+            lines.append(Line(size, cells, ratios, best, paired))
         out[key] = lines
     return out
 
@@ -921,6 +935,9 @@ def format_text(comp: Comparison) -> str:
             text += "".join(f" {_fmt_ratio(ln.ratios.get(p)):>{rw}}" for p in peers)
             if ln.best is not None:
                 text += f"  {ln.best} {ln.ratios[ln.best]:.2f}"
+                paired = ln.paired.get(ln.best)
+                if paired is not None and paired[1] > 1:
+                    text += f" (paired {paired[0]:.2f})"
             out.append(text)
         means = []
         for p in peers:
@@ -1015,7 +1032,7 @@ def format_markdown(comp: Comparison) -> str:
             cells = [human_bytes(ln.size), _fmt_time(ln.cells.get("shmcoll"))]
             cells += [_fmt_time(ln.cells.get(p)) for p in peers]
             cells += [_fmt_ratio(ln.ratios.get(p)) for p in peers]
-            cells.append(f"{ln.best} ({ln.ratios[ln.best]:.2f})" if ln.best else "-")
+            cells.append(_fmt_best(ln))
             out.append("| " + " | ".join(cells) + " |")
         means = []
         for p in peers:
@@ -1025,10 +1042,42 @@ def format_markdown(comp: Comparison) -> str:
         if means:
             out += ["", "Geometric mean of the ratios: " + "; ".join(means) + "."]
         out.append("")
+    slower = slower_points(comp)
+    if slower:
+        out += ["## Where the best peer is faster (ratio < 1)", ""]
+        out += [f"- {p}" for p in slower] + [""]
     problems = _dedupe_problems([r for r in comp.runs if r["status"] != "ok"])
     if problems:
         out += ["## Peers that did not run, or failed", ""] + [f"- {p}" for p in problems] + [""]
     return "\n".join(out)
+
+
+def _fmt_best(ln: Line) -> str:
+    """The best peer's cell: its ratio, and the paired ratio where two rounds or more paired."""
+    if ln.best is None:
+        return "-"
+    text = f"{ln.best} ({ln.ratios[ln.best]:.2f}"
+    paired = ln.paired.get(ln.best)
+    if paired is not None and paired[1] > 1:
+        text += f"; paired {paired[0]:.2f}"
+    return text + ")"
+
+
+def slower_points(comp: Comparison) -> list[str]:
+    """Every size where the best peer's median time beats shmcoll's, with the paired ratio: one
+    under 1 too says the peer was faster round by round, one of 1 or more that a slow spell in
+    some round made the medians disagree."""
+    out = []
+    for (collective, world), lines in compare(comp).items():
+        for ln in lines:
+            if ln.best is None or ln.ratios[ln.best] >= 1.0:
+                continue
+            text = f"{collective}, {world} ranks, {human_bytes(ln.size)}: {ln.best} {ln.ratios[ln.best]:.2f}"
+            paired = ln.paired.get(ln.best)
+            if paired is not None and paired[1] > 1:
+                text += f" (paired over {paired[1]} rounds: {paired[0]:.2f})"
+            out.append(text)
+    return out
 
 
 def comparison_to_json(comp: Comparison) -> dict[str, Any]:

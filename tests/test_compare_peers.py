@@ -357,6 +357,29 @@ def test_ratios_best_peer_and_geomeans() -> None:
     assert only.cells["gloo"].busbw == pytest.approx(64 / 80e-6 / 1e9 * 3 / 4)
 
 
+def test_paired_ratios_set_each_round_against_its_own() -> None:
+    # The full side-by-side of stop 35: shmcoll's round 0 fell in a slow spell, the peer's round 2.
+    M = cp.Measurement
+    ms = [M("shmcoll", k, _row("alltoall", 2, 512, t)) for k, t in enumerate((7.0, 0.93, 1.59))]
+    ms += [M("openmpi", k, _row("alltoall", 2, 512, t)) for k, t in enumerate((0.90, 0.94, 1.43))]
+    ms += [M("shmcoll", 0, _row("alltoall", 2, 1024, 2.0)), M("openmpi", 0, _row("alltoall", 2, 1024, 1.0))]
+    comp = cp.Comparison(["shmcoll", "openmpi"], ms, [], {})
+    line, single = cp.compare(comp)[("alltoall", 2)]
+    assert line.ratios["openmpi"] == pytest.approx(0.94 / 1.59)  # the medians: two different rounds
+    ratio, rounds = line.paired["openmpi"]
+    assert rounds == 3 and ratio == pytest.approx(1.43 / 1.59)  # the median of 0.13, 1.01, 0.90
+    assert single.paired == {"openmpi": (0.5, 1)}
+    md = cp.format_markdown(comp)
+    assert "| 512 B | 1.59 | 0.94 | 0.59 | openmpi (0.59; paired 0.90) |" in md
+    assert "| 1 KiB | 2.00 | 1.00 | 0.50 | openmpi (0.50) |" in md  # one round: nothing to pair
+    assert cp.slower_points(comp) == [
+        "alltoall, 2 ranks, 512 B: openmpi 0.59 (paired over 3 rounds: 0.90)",
+        "alltoall, 2 ranks, 1 KiB: openmpi 0.50",
+    ]
+    assert "## Where the best peer is faster (ratio < 1)" in md
+    assert "(paired 0.90)" in cp.format_text(comp)
+
+
 def test_text_table() -> None:
     text = cp.format_text(_comparison())
     lines = text.splitlines()
