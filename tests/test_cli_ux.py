@@ -50,6 +50,12 @@ def _data(lines: list[str]) -> list[str]:
 
 
 # --- 1. rows as they are measured; Ctrl-C keeps them --------------------------------------------
+def _sigint_default() -> None:
+    """(in the child) Ctrl-C's default action, whatever this test run inherited: a shell ignores
+    SIGINT for its background jobs, and a Python started so raises no KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_bench_streams_rows_and_ctrl_c_keeps_them(tmp_path) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "rows.json"
     # A sweep far too long to finish: 8 B to 1 GiB. Its own session, so the signal reaches the
@@ -60,6 +66,7 @@ def test_bench_streams_rows_and_ctrl_c_keeps_them(tmp_path) -> None:  # type: ig
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=_sigint_default,
     )
     try:
         assert proc.stdout is not None

@@ -74,6 +74,10 @@ def _start_run(tmp_path, nprocs: int = 2):  # type: ignore[no-untyped-def]
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C's default action in the launcher and so in its ranks, whatever this test run
+        # inherited: a shell ignores SIGINT for its background jobs, and a Python started so
+        # raises no KeyboardInterrupt.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     ranks = _wait_for([f"{marker}.{r}" for r in range(nprocs)])
     return proc, ranks
