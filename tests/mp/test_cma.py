@@ -240,6 +240,53 @@ def test_a_group_measures_the_crossover_before_its_ranks_start() -> None:
         assert int(group._arena.ctrl[layout.A_CMA_CROSSOVER]) == cma.crossover_bytes() > 0
 
 
+@permitted
+def test_a_group_races_before_it_starts_its_janitor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The janitor is a Python interpreter starting up: beside the race it took a core from the
+    rings, and the kernel won at 16 KiB in launches where the rings win everywhere."""
+    import shmcoll
+    from shmcoll import launch
+
+    order: list[str] = []
+    monkeypatch.setattr(launch.cma, "crossover_bytes", lambda: order.append("race") or cma.NEVER)
+    janitor = launch.Janitor
+    monkeypatch.setattr(launch, "Janitor", lambda token: order.append("janitor") or janitor(token))
+    with shmcoll.Group(2):
+        pass
+    assert order == ["race", "janitor"]
+
+
+def _one_core_race(nbytes: int) -> tuple[int, int, bool]:
+    """cma.race with this thread (and so the race's second thread, which inherits it) on one CPU."""
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(saved)})
+    try:
+        return cma.race(nbytes, 1)
+    finally:
+        os.sched_setaffinity(0, saved)
+
+
+@permitted
+def test_a_race_whose_rings_wait_for_a_core_says_so() -> None:
+    # With both threads on one CPU the rings hand off through the scheduler at every slot.
+    rings, kernel, contended = _one_core_race(1 << 20)  # 16 slots each way: the rings must wait
+    assert contended and rings > 0 and kernel > 0
+
+
+def test_a_kernel_win_over_contended_rings_is_raced_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    races: list[tuple[int, int, bool]] = []
+    monkeypatch.setattr(cma, "_CONTENDED_PAUSES_S", (0.0, 0.0, 0.0))
+    monkeypatch.setattr(cma, "race", lambda nbytes, reps: races.pop(0))
+    races[:] = [(900, 500, True), (400, 500, False)]  # a busy moment, then the rings win
+    assert not cma._kernel_wins(1 << 20, 1) and not races
+    races[:] = [(900, 500, True), (900, 500, False)]  # the kernel wins on a quiet machine too
+    assert cma._kernel_wins(1 << 20, 1) and not races
+    races[:] = [(900, 500, True)] * 4  # busy throughout: the ranks will wait for cores too
+    assert cma._kernel_wins(1 << 20, 1) and not races
+    races[:] = [(400, 500, True)]  # the rings won even so: nothing to race again
+    assert not cma._kernel_wins(1 << 20, 1) and not races
+
+
 def _agreed(comm) -> tuple[int, list[str], bool]:  # type: ignore[no-untyped-def]
     """Each rank pretends to measure another crossover; rank 0 asks first, rank 1 after."""
     from shmcoll.comm import calls
