@@ -125,9 +125,9 @@ class Group:
         # Measured here, before any rank runs, rather than by a rank among busy peers (once per
         # process: about 2 ms where the kernel wins at once, 12-35 ms through the whole ladder on a
         # 2-core VM); auto's choices of cma follow it (shm.cma.crossover_bytes). Before the janitor
-        # starts: a Python interpreter starting beside the race took a core from its rings, and
-        # the kernel "won" at the smallest size, sending every call of the launch from 32 KiB to
-        # cma, 1.5-3x slower than the rings on a machine where they win (RESULTS.md, stop 35).
+        # starts: a Python interpreter starting beside the race can take a core from its rings,
+        # and a race the kernel "wins" so sends every call of the launch from 32 KiB to cma,
+        # 1.5-3x slower than the rings on a machine where they win (RESULTS.md, stop 35).
         crossover = cma.crossover_bytes() if world_size > 1 and cma.probe()[0] else None
         self._janitor: Janitor | None = Janitor(self.token)
         try:
