@@ -234,14 +234,13 @@ def race(nbytes: int, reps: int = 1, rounds: int = _ROUNDS) -> tuple[int, int, b
 def _kernel_wins(nbytes: int, reps: int) -> bool:
     """Whether the kernel is no slower than the rings in a race at ``nbytes``, run again after a
     pause where it won only because the rings waited for a core (:data:`_CONTENDED_PAUSES_S`)."""
-    for pause in (*_CONTENDED_PAUSES_S, None):
+    for pause in _CONTENDED_PAUSES_S:
         rings, kernel, contended = race(nbytes, reps)
-        if kernel > rings:
-            return False
-        if not contended or pause is None:
-            return True
+        if kernel > rings or not contended:
+            return kernel <= rings
         time.sleep(pause)
-    return True  # (not reached)
+    rings, kernel, _ = race(nbytes, reps)
+    return kernel <= rings
 
 
 @functools.lru_cache(maxsize=1)
