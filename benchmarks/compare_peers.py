@@ -935,8 +935,8 @@ def format_text(comp: Comparison) -> str:
             text += "".join(f" {_fmt_ratio(ln.ratios.get(p)):>{rw}}" for p in peers)
             if ln.best is not None:
                 text += f"  {ln.best} {ln.ratios[ln.best]:.2f}"
-                paired = ln.paired.get(ln.best)
-                if paired is not None and paired[1] > 1:
+                paired = _shown_paired(ln)
+                if paired is not None:
                     text += f" (paired {paired[0]:.2f})"
             out.append(text)
         means = []
@@ -1021,7 +1021,8 @@ def format_markdown(comp: Comparison) -> str:
         "elements (left out of the best peer and the means)."
     )
     out.append("")
-    for (collective, world), lines in compare(comp).items():
+    tables = compare(comp)
+    for (collective, world), lines in tables.items():
         out.append(f"## {_title(comp, collective, world)}")
         out.append("")
         head = "| size | shmcoll (us) | " + " | ".join(f"{p} (us)" for p in peers)
@@ -1042,7 +1043,7 @@ def format_markdown(comp: Comparison) -> str:
         if means:
             out += ["", "Geometric mean of the ratios: " + "; ".join(means) + "."]
         out.append("")
-    slower = slower_points(comp)
+    slower = slower_points(comp, tables)
     if slower:
         out += ["## Where the best peer is faster (ratio < 1)", ""]
         out += [f"- {p}" for p in slower] + [""]
@@ -1052,29 +1053,33 @@ def format_markdown(comp: Comparison) -> str:
     return "\n".join(out)
 
 
+def _shown_paired(ln: Line) -> tuple[float, int] | None:
+    """The best peer's paired ratio and its rounds, where two rounds or more paired (one round's
+    ratio is the ratio of the medians already shown)."""
+    paired = ln.paired.get(ln.best) if ln.best is not None else None
+    return paired if paired is not None and paired[1] > 1 else None
+
+
 def _fmt_best(ln: Line) -> str:
     """The best peer's cell: its ratio, and the paired ratio where two rounds or more paired."""
     if ln.best is None:
         return "-"
-    text = f"{ln.best} ({ln.ratios[ln.best]:.2f}"
-    paired = ln.paired.get(ln.best)
-    if paired is not None and paired[1] > 1:
-        text += f"; paired {paired[0]:.2f}"
-    return text + ")"
+    paired = _shown_paired(ln)
+    return f"{ln.best} ({ln.ratios[ln.best]:.2f}" + (f"; paired {paired[0]:.2f}" if paired else "") + ")"
 
 
-def slower_points(comp: Comparison) -> list[str]:
+def slower_points(comp: Comparison, tables: dict[tuple[str, int], list[Line]] | None = None) -> list[str]:
     """Every size where the best peer's median time beats shmcoll's, with the paired ratio: one
     under 1 too says the peer was faster round by round, one of 1 or more that a slow spell in
-    some round made the medians disagree."""
+    some round made the medians disagree. ``tables``: :func:`compare`'s, if the caller has them."""
     out = []
-    for (collective, world), lines in compare(comp).items():
+    for (collective, world), lines in (tables if tables is not None else compare(comp)).items():
         for ln in lines:
             if ln.best is None or ln.ratios[ln.best] >= 1.0:
                 continue
             text = f"{collective}, {world} ranks, {human_bytes(ln.size)}: {ln.best} {ln.ratios[ln.best]:.2f}"
-            paired = ln.paired.get(ln.best)
-            if paired is not None and paired[1] > 1:
+            paired = _shown_paired(ln)
+            if paired is not None:
                 text += f" (paired over {paired[1]} rounds: {paired[0]:.2f})"
             out.append(text)
     return out

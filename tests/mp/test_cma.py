@@ -242,8 +242,8 @@ def test_a_group_measures_the_crossover_before_its_ranks_start() -> None:
 
 @permitted
 def test_a_group_races_before_it_starts_its_janitor(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The janitor is a Python interpreter starting up: beside the race it took a core from the
-    rings, and the kernel won at 16 KiB in launches where the rings win everywhere."""
+    """The janitor is a Python interpreter starting up: beside the race it can take a core from
+    the rings, and a race the kernel wins so sends the whole launch to cma."""
     import shmcoll
     from shmcoll import launch
 
