@@ -43,6 +43,7 @@ _JITTED_SOURCES = (
     "kernels/scalar.py",
     "kernels/cpu.py",
     "engine/cpu.py",
+    "engine/mailbox.py",
     "plan/ir.py",
     "shm/layout.py",
     "shm/liveness.py",

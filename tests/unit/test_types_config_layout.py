@@ -177,3 +177,63 @@ def test_a_compile_tells_its_listeners(tmp_path) -> None:  # type: ignore[no-unt
         assert heard == [True, False]
     finally:
         jit._COMPILE_LISTENERS.remove(heard.append)
+
+
+def _jit_dependencies(path: str, package_root: str) -> set[str]:
+    """The files (relative to ``shmcoll/``) whose names the functions decorated with shmcoll's
+    ``@jit`` in ``path`` use: the file itself if it has one, and each shmcoll module a name they
+    use was imported from (``from shmcoll.shm import layout`` or ``from shmcoll.shm.layout
+    import X``). Read from the source, importing nothing."""
+    import ast
+    import os
+
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    origin: dict[str, str] = {}  # name bound at module level -> the file it came from
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "shmcoll":
+            base = node.module.split(".")[1:]
+            for alias in node.names:
+                as_module = os.path.join(package_root, *base, alias.name) + ".py"
+                rel = os.path.join(*base, alias.name) + ".py" if os.path.exists(as_module) else None
+                if rel is None:
+                    rel = os.path.join(*base) + ".py" if base else "__init__.py"
+                    if not os.path.exists(os.path.join(package_root, rel)):
+                        rel = os.path.join(*base, "__init__.py")
+                origin[alias.asname or alias.name] = rel.replace(os.sep, "/")
+
+    def decorated(fn: ast.AST) -> bool:
+        for d in getattr(fn, "decorator_list", ()):
+            target = d.func if isinstance(d, ast.Call) else d
+            if isinstance(target, ast.Name) and target.id == "jit" and origin.get("jit") == "jit.py":
+                return True
+        return False
+
+    found: set[str] = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef) and decorated(fn):
+            found.add(os.path.relpath(path, package_root).replace(os.sep, "/"))
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Name) and node.id in origin and node.id != "jit":
+                    found.add(origin[node.id])
+    return found
+
+
+def test_the_cache_key_covers_every_jitted_source() -> None:
+    """Numba's cache checks a function's own file only, so ``jit.SOURCE_KEY`` hashes every file
+    whose code or constants end up in shmcoll's jitted functions: an edited helper in another
+    file must give a fresh cache directory. (``engine/mailbox.py`` was missing, so an edit to the
+    mailbox's kernels did not change the key.)"""
+    import os
+
+    from shmcoll import jit
+
+    root = os.path.dirname(jit.__file__)
+    needed: set[str] = set()
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            if f.endswith(".py"):
+                needed |= _jit_dependencies(os.path.join(dirpath, f), root)
+    assert "engine/cpu.py" in needed and "shm/atomics.py" in needed  # the scan sees the engine
+    missing = sorted(needed - set(jit._JITTED_SOURCES))
+    assert not missing, f"jitted code uses these files, which jit._JITTED_SOURCES does not hash: {missing}"
