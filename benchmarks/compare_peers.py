@@ -32,6 +32,8 @@ which streams one tagged JSON line per finished size on stdout: shmcoll through 
 Open MPI and MPICH through their own ``mpirun``/``mpiexec`` (local ranks only, shared-memory
 transport), gloo through ``torch.multiprocessing.spawn`` with a ``file://`` rendezvous and the
 loopback interface. The libraries take turns per collective, so a noisy moment hits them alike.
+Rank 0 of each shmcoll launch also sends the communicator's INFO lines about ``auto`` (the
+launch's race, the algorithm of each size), and the report says per round what ``auto`` ran.
 """
 
 from __future__ import annotations
@@ -471,9 +473,54 @@ def _gloo_worker(plan: Plan) -> None:
 
 
 # --- shmcoll -----------------------------------------------------------------------------------
+# What shmcoll's communicator logs at INFO (``SHMCOLL_DEBUG=INFO`` shows the same lines) that
+# says what ``auto`` did: the launch's race of the kernel's copy against the rings, and the
+# algorithm of each new call shape (its count is per block for the blocked collectives).
+_CALL_LINE = re.compile(
+    r"\] (?P<collective>\w+)\(count=(?P<count>\d+), float32\b[^)]*\): algorithm (?P<algorithm>\w+),"
+)
+_RACE_LINE = re.compile(r"\] cross-memory attach: (?P<race>.*)$")
+
+
+class _AutoLog:
+    """Rank 0 of a shmcoll launch keeps the communicator's INFO lines about ``auto`` while the
+    sweep runs, so that the report can say which algorithm ran each size in each round and what
+    the launch's race found: a size slow in one round only is then told from the machine's noise
+    when ``auto`` chose differently there. The logger's own output is unchanged: without
+    ``SHMCOLL_DEBUG`` it still prints warnings and nothing below."""
+
+    def __init__(self) -> None:
+        import logging
+
+        self.lines: list[str] = []
+        logger = logging.getLogger("shmcoll")
+        keep = self
+
+        class Keep(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                msg = record.getMessage()
+                if _CALL_LINE.search(msg) or _RACE_LINE.search(msg):
+                    keep.lines.append(msg)
+
+        if not logger.handlers:  # (as Python would: warnings and worse on stderr)
+            shown = logging.StreamHandler()
+            shown.setLevel(logging.WARNING)
+            shown.setFormatter(logging.Formatter("shmcoll %(levelname)s %(message)s"))
+            logger.addHandler(shown)
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
+        logger.addHandler(Keep(logging.INFO))
+
+    def flush(self) -> None:
+        for line in self.lines:
+            emit({"type": "auto", "line": line})
+        self.lines.clear()
+
+
 def _shmcoll_rank(comm: Any, plan: Plan) -> None:
     from shmcoll.bench import BenchConfig, bench_rank
 
+    watch = _AutoLog() if comm.rank == 0 else None
     # One BenchConfig per size (min = max = that size), so the iteration schedule can shrink with
     # size while the sizes, the timing and the check stay bench_rank's own.
     for i, (nbytes, iters, warmup) in enumerate(zip(plan.sizes, plan.iters, plan.warmup, strict=True)):
@@ -494,6 +541,8 @@ def _shmcoll_rank(comm: Any, plan: Plan) -> None:
         )
         for row in bench_rank(comm, cfg):
             emit({"type": "row", **dataclasses.asdict(row), "iters": iters})
+        if watch is not None:
+            watch.flush()
 
 
 def _shmcoll_worker(plan: Plan) -> None:
@@ -950,6 +999,10 @@ def format_text(comp: Comparison) -> str:
         if wrong:
             out.append("# WRONG RESULTS (marked !): " + ", ".join(wrong))
         out.append("")
+    choices = auto_choices(comp)
+    if choices:
+        out.append("# what auto ran in shmcoll's launches (the launch's race; the algorithm per size):")
+        out += [f"#   {c}" for c in choices]
     problems = [r for r in comp.runs if r["status"] != "ok"]
     for r in _dedupe_problems(problems):
         out.append(f"# {r}")
@@ -1047,6 +1100,10 @@ def format_markdown(comp: Comparison) -> str:
     if slower:
         out += ["## Where the best peer is faster (ratio < 1)", ""]
         out += [f"- {p}" for p in slower] + [""]
+    choices = auto_choices(comp)
+    if choices:
+        out += ["## What `auto` ran in shmcoll's launches", ""]
+        out += [f"- {c.strip()}" if not c.startswith("  ") else f"  - {c.strip()}" for c in choices] + [""]
     problems = _dedupe_problems([r for r in comp.runs if r["status"] != "ok"])
     if problems:
         out += ["## Peers that did not run, or failed", ""] + [f"- {p}" for p in problems] + [""]
@@ -1066,6 +1123,68 @@ def _fmt_best(ln: Line) -> str:
         return "-"
     paired = _shown_paired(ln)
     return f"{ln.best} ({ln.ratios[ln.best]:.2f}" + (f"; paired {paired[0]:.2f}" if paired else "") + ")"
+
+
+def _race_words(text: str) -> str:
+    """A launch's race in a few words, from the communicator's log line."""
+    m = re.search(r"up to (\S+) faster through the rings", text)
+    if m:
+        return f"the rings won up to {m.group(1)}"
+    m = re.search(r"from (\S+) on no slower by the kernel", text)
+    return f"the kernel won from {m.group(1)}" if m else text
+
+
+def _ranges(picks: dict[int, str]) -> str:
+    """``8 B-32 KiB direct, 64 KiB ring``: runs of consecutive sizes with one algorithm."""
+    out: list[list[Any]] = []
+    for size in sorted(picks):
+        if out and out[-1][2] == picks[size]:
+            out[-1][1] = size
+        else:
+            out.append([size, size, picks[size]])
+    return ", ".join(f"{human_bytes(a)}{'' if a == b else '-' + human_bytes(b)} {alg}" for a, b, alg in out)
+
+
+def auto_choices(comp: Comparison) -> list[str]:
+    """What ``auto`` ran in shmcoll's launches, per collective and world size: the launch's race
+    (``shm.cma.crossover_bytes``, as the ranks agreed on it) and each measured size's algorithm,
+    from rank 0's log (``_AutoLog``). One line where every round chose alike; else one per round
+    and the sizes where they differ, which is where a round's time can differ for that reason
+    rather than the machine's. Runs from before the log was kept have none: nothing is said."""
+    measured: dict[tuple[str, int], set[int]] = {}
+    for meas in comp.measurements:
+        if meas.library == "shmcoll":
+            measured.setdefault((meas.row.collective, meas.row.world_size), set()).add(meas.row.size)
+    per_round: dict[tuple[str, int], dict[int, tuple[str, dict[int, str]]]] = {}
+    for run in comp.runs:
+        if run.get("library") != "shmcoll" or not run.get("auto"):
+            continue
+        key = (run["collective"], run["world_size"])
+        race, picks = "", {}
+        for line in run["auto"]:
+            said = _RACE_LINE.search(line)
+            if said:
+                race = _race_words(said.group("race"))
+            call = _CALL_LINE.search(line)
+            if call and call.group("collective") == key[0]:
+                size = int(call.group("count")) * 4 * (key[1] if key[0] in BLOCKED else 1)
+                if size in measured.get(key, ()):
+                    picks[size] = call.group("algorithm")
+        per_round.setdefault(key, {})[run["round"]] = (race, picks)
+    out = []
+    for (collective, world), rounds in per_round.items():
+        head = f"{collective}, {world} ranks"
+        shown = {r: f"race: {race or '-'}; {_ranges(picks) or 'no sizes'}" for r, (race, picks) in rounds.items()}
+        if len(set(shown.values())) == 1:
+            alike = "round" if len(rounds) == 1 else f"all {len(rounds)} rounds"
+            out.append(f"{head} ({alike}): {next(iter(shown.values()))}")
+            continue
+        sizes = sorted({s for _, picks in rounds.values() for s in picks})
+        differ = [s for s in sizes if len({picks.get(s) for _, picks in rounds.values()}) > 1]
+        where = ", ".join(human_bytes(s) for s in differ) or "none (the races differ)"
+        out.append(f"{head}, rounds differ at {where}:")
+        out += [f"  round {r + 1}: {shown[r]}" for r in sorted(rounds)]
+    return out
 
 
 def slower_points(comp: Comparison, tables: dict[tuple[str, int], list[Line]] | None = None) -> list[str]:
@@ -1292,9 +1411,18 @@ def run_comparison(args: argparse.Namespace, peers: Sequence[Peer], log: Callabl
                     Path(plan_file).write_text(plan_w.to_json())
                     info = comp.meta["libraries"].setdefault(peer.name, {"launch": peer.describe()})
 
-                    def on_record(rec: dict[str, Any], name: str = peer.name, info: dict[str, Any] = info) -> None:
+                    auto_lines: list[str] = []
+
+                    def on_record(
+                        rec: dict[str, Any],
+                        name: str = peer.name,
+                        info: dict[str, Any] = info,
+                        auto_lines: list[str] = auto_lines,
+                    ) -> None:
                         if rec.get("type") == "meta":
                             info.update({k: v for k, v in rec.items() if k != "type"})
+                        elif rec.get("type") == "auto":
+                            auto_lines.append(str(rec.get("line", "")))
                         elif rec.get("type") == "row":
                             comp.measurements.append(Measurement(name, rnd, row_from_record(rec)))  # noqa: B023
 
@@ -1317,6 +1445,7 @@ def run_comparison(args: argparse.Namespace, peers: Sequence[Peer], log: Callabl
                         "status": res.status if res.status != "ok" or rows == len(plan.sizes) else "failed",
                         "detail": res.detail if res.status != "ok" or rows == len(plan.sizes) else "missing sizes",
                         "seconds": res.seconds,
+                        **({"auto": auto_lines} if auto_lines else {}),
                     }
                 )
                 comp.meta["duration_s"] = time.monotonic() - t0

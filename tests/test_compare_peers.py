@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -380,6 +381,56 @@ def test_paired_ratios_set_each_round_against_its_own() -> None:
     assert "(paired 0.90)" in cp.format_text(comp)
 
 
+def test_what_auto_ran_per_round_is_reported() -> None:
+    """The launch's race and auto's pick per size, from rank 0's log lines as the communicator
+    writes them: one line where the rounds chose alike, one per round and the sizes that differ
+    where not (stop 35's slow rounds could not be told from the machine's noise without it)."""
+    M = cp.Measurement
+    sizes = (8, 64 << 10, 1 << 20)
+    ms = [M("shmcoll", k, _row("allreduce", 2, s, 1.0)) for k in range(2) for s in sizes]
+    ms += [M("shmcoll", 0, _row("alltoall", 4, 1 << 20, 9.0))]
+    rings = "[rank 0] cross-memory attach: two cores exchange blocks of up to 4M faster through the rings (auto ...)"
+    kernel = (
+        "[rank 0] cross-memory attach: two cores exchange blocks from 16K on no slower by the kernel than "
+        "through the rings (auto weighs cma for blocks from there)"
+    )
+
+    def call(collective: str, count: int, algorithm: str, dtype: str = "float32") -> str:
+        label = f"{collective}(count={count}, {dtype}, SUM, algorithm={algorithm})"
+        return f"[rank 0] {label}: algorithm {algorithm}, 1 piece(s) of 65536 + tail 0, 0 scratch elements"
+
+    internal = call("allreduce", 1, "ring", dtype="float64")  # bench's own MAX of the times: not a measured size
+    runs = [
+        {"library": "shmcoll", "world_size": 2, "collective": "allreduce", "round": 0, "status": "ok"}
+        | {"auto": [rings, internal, call("allreduce", 2, "direct"), call("allreduce", 16384, "ring")]},
+        {"library": "shmcoll", "world_size": 2, "collective": "allreduce", "round": 1, "status": "ok"}
+        | {
+            "auto": [
+                kernel,
+                call("allreduce", 2, "direct"),
+                call("allreduce", 16384, "cma"),
+                call("allreduce", 262144, "cma"),
+            ]
+        },
+        {"library": "shmcoll", "world_size": 4, "collective": "alltoall", "round": 0, "status": "ok"}
+        | {"auto": [rings, call("alltoall", 65536, "direct")]},  # per block: 4 x 64 Ki x 4 B = 1 MiB
+        {"library": "openmpi", "world_size": 2, "collective": "allreduce", "round": 0, "status": "ok"},
+    ]
+    comp = cp.Comparison(["shmcoll"], ms, runs, {})
+    assert cp.auto_choices(comp) == [
+        "allreduce, 2 ranks, rounds differ at 64 KiB, 1 MiB:",
+        "  round 1: race: the rings won up to 4M; 8 B direct, 64 KiB ring",
+        "  round 2: race: the kernel won from 16K; 8 B direct, 64 KiB-1 MiB cma",
+        "alltoall, 4 ranks (round): race: the rings won up to 4M; 1 MiB direct",
+    ]
+    md = cp.format_markdown(comp)
+    assert "## What `auto` ran in shmcoll's launches" in md
+    assert "  - round 2: race: the kernel won from 16K; 8 B direct, 64 KiB-1 MiB cma" in md
+    assert "#   alltoall, 4 ranks (round): race: the rings won up to 4M; 1 MiB direct" in cp.format_text(comp)
+    runs[2]["auto"] = []  # a run from before the log was kept says nothing
+    assert cp.auto_choices(cp.Comparison(["shmcoll"], ms, runs[2:], {})) == []
+
+
 def test_text_table() -> None:
     text = cp.format_text(_comparison())
     lines = text.splitlines()
@@ -573,7 +624,17 @@ def test_real_shmcoll_worker_with_no_peers(tmp_path: Path, capsys: pytest.Captur
     assert cp.main([*argv, "--peers", "", "--quiet", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert text.startswith("# allreduce, 2 ranks (float32 sum, in-place)")
-    rows = json.loads(out.read_text())["rows"]
+    data = json.loads(out.read_text())
+    rows = data["rows"]
     assert [(r["library"], r["size"], r["wrong"], r["mode"]) for r in rows] == [
         ("shmcoll", s, 0, "in-place") for s in (8, 64, 512)
     ]
+    # rank 0's log of auto, read from the communicator's own lines: a pick for every size
+    (choice,) = cp.auto_choices(cp.load_json([out]))
+    assert choice.startswith("allreduce, 2 ranks (round): race: ")
+    from shmcoll.shm import cma
+
+    if cma.probe()[0]:  # (where the kernel's copy is refused, no race is run)
+        assert re.search(r"race: the (rings|kernel) won (up to|from) \w+;", choice), choice
+    assert re.search(r"; 8 B-512 B \w+$|; 8 B \w+, ", choice), choice
+    assert "shmcoll INFO" not in text  # the log was kept, not shown
