@@ -129,17 +129,22 @@ def reduce(ctx: Context) -> None:
     )
 
 
-def _two_ranks_below_cma(world_size: int, size: int) -> bool:
-    """``Algorithm.auto_prefer`` for allreduce: at 2 ranks below 64 KiB (where cma's measured
-    advantage starts, ``algos/cma.py``), one round of whole pieces beats the rings' two rounds of
-    halves, though the built-in cost model says otherwise from 16 KiB (an AMD VM, ``shmcoll bench
-    -n 2 -c allreduce -a auto,direct,ring,... --both``, 2 launches: 16 KiB 3.4-3.5 us against 4.0
-    for ``ring``, the model's pick; 32 KiB 5.7-7.6 against 6.6-9.1; 64 KiB 10.2-10.7 against
-    11.8-12.0, in place and out of place alike). A tune table's measurements still decide."""
-    return world_size == 2 and size < 64 << 10
+def _two_ranks(world_size: int, size: int) -> bool:
+    """``Algorithm.auto_prefer`` for allreduce: at 2 ranks, at every size, one round of whole
+    pieces beats the rings' two rounds of halves; the model says otherwise from 16 KiB. Where cma
+    is weighed too and prefers the call, cma runs (``select.decide``: the preference weighed from
+    the larger size wins), so on a machine whose kernel copies faster than its rings this rule
+    holds below cma's 64 KiB only. Measured: an AMD VM (stop 31, ``shmcoll bench -n 2 -c
+    allreduce -a auto,direct,ring,... --both``, 2 launches), 16 KiB 3.4-3.5 us against 4.0 for
+    ``ring``, 64 KiB 10.2-10.7 against 11.8-12.0, in place and out of place alike; the Zen 5 VM,
+    where cma is not weighed at 2 ranks (``-a auto,ring,direct -b 16K -e 64M -f 4``, 3 launches,
+    ring / direct of the medians): in place 1.30 at 64 KiB, 1.26 at 256 KiB, 1.15 at 1 MiB, 1.16
+    at 4 MiB, 1.11 at 16 MiB, 1.01 at 64 MiB (and from 32 to 256 MiB no launch had ring faster),
+    out of place 1.17, 1.03, 1.02, 0.93, 0.96, 1.01. A tune table's measurements still decide."""
+    return world_size == 2
 
 
-@register("allreduce", "direct", auto_prefer=_two_ranks_below_cma)
+@register("allreduce", "direct", auto_prefer=_two_ranks)
 def allreduce(ctx: Context) -> None:
     """Each rank sends its input to every rank; every rank combines all in rank order."""
     count = ctx.count

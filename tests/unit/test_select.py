@@ -367,16 +367,29 @@ def test_dbtree_waits_for_large_calls_at_two_ranks(collective: str) -> None:
     assert registry.get(collective, "dbtree").auto_from(3) == 0
 
 
-def test_allreduce_at_two_ranks_runs_direct_below_cma() -> None:
+def test_allreduce_at_two_ranks_runs_direct_unless_cma_prefers_it() -> None:
     """At 2 ranks one round of whole pieces beat the rings' two rounds of halves at every size
-    measured below cma's (the built-in model took the rings from 16 KiB); 3 ranks and a tune
-    table's measurements are untouched."""
-    for nbytes in (8, 4 * KB, 16 * KB, 64 * KB - 4):
-        decision = decide(Query("allreduce", 2, nbytes // 4, 4), slot_bytes=64 * KB)
-        assert decision.algorithm.name == "direct", nbytes
-    assert decide(Query("allreduce", 2, 16 * KB // 4, 4), slot_bytes=64 * KB).reason == "preferred"
-    assert decide(Query("allreduce", 2, 64 * KB // 4, 4, cma=True), slot_bytes=64 * KB).algorithm.name == "cma"
+    measured (the built-in model took the rings from 16 KiB): where cma is not weighed (not
+    permitted, or the launch's race saw the rings win), ``direct`` runs at every size; where cma
+    is weighed it prefers the call from its 64 KiB and wins over direct's claim. 3 ranks and a
+    tune table's measurements are untouched."""
+    from shmcoll.shm.cma import NEVER
+
+    sizes = (8, 4 * KB, 16 * KB, 64 * KB - 4, 64 * KB, 1 << 20, 16 << 20, 256 << 20)
+    for nbytes in sizes:
+        for query in (
+            Query("allreduce", 2, nbytes // 4, 4),
+            Query("allreduce", 2, nbytes // 4, 4, cma=True, cma_crossover=NEVER),
+            Query("allreduce", 2, nbytes // 4, 4, inplace=True, cma=True, cma_crossover=NEVER, cores=2),
+        ):
+            decision = decide(query, slot_bytes=64 * KB)
+            assert (decision.algorithm.name, decision.reason) == ("direct", "preferred"), (nbytes, query)
+    for crossover in (0, 16 * KB):  # not measured, or the kernel won from 16 KiB blocks
+        for nbytes, expected in ((16 * KB, "direct"), (64 * KB, "cma"), (16 << 20, "cma")):
+            query = Query("allreduce", 2, nbytes // 4, 4, cma=True, cma_crossover=crossover)
+            assert decide(query, slot_bytes=64 * KB).algorithm.name == expected, (crossover, nbytes)
     assert decide(Query("allreduce", 3, 32 * KB // 4, 4), slot_bytes=64 * KB).reason != "preferred"
+    assert decide(Query("allreduce", 4, 1 << 18, 4), slot_bytes=64 * KB).algorithm.name != "direct"
     sizes = (16 * KB,)
     ring_faster = {"direct": (9e-6,), "ring": (4e-6,)}
     table = TuneTable(MODEL, 64 * KB, (Measured("allreduce", 2, sizes, ring_faster),), "synthetic")
