@@ -369,14 +369,14 @@ def _allreduce_from(world_size: int) -> int:
     return 64 << 10 if world_size <= 2 else 128 << 10
 
 
-def _preferred(auto_from: Callable[[int], int]) -> Callable[[int, int], bool]:
+def _preferred(auto_from: Callable[[int], int]) -> Callable[[Query, int], bool]:
     """``Algorithm.auto_prefer`` for the reductions: from ``auto_from`` on, up to 4 ranks, ``auto``
     runs cma without asking the cost model, which charges the copy of a peer's part into scratch
     as a full copy and does not see that the combination then reads it from the cache (above 4
     ranks the model decides, from ``auto_from``'s 16 MiB)."""
 
-    def prefer(world_size: int, size: int) -> bool:
-        return world_size <= 4 and size >= auto_from(world_size)
+    def prefer(query: Query, size: int) -> bool:
+        return query.world_size <= 4 and size >= auto_from(query.world_size)
 
     return prefer
 

@@ -32,7 +32,7 @@ as the collective allows (never for alltoallv).
 
 from __future__ import annotations
 
-from shmcoll.algos.registry import register
+from shmcoll.algos.registry import Query, register
 from shmcoll.plan.builder import (
     Context,
     accumulate_in_rank_order,
@@ -129,9 +129,11 @@ def reduce(ctx: Context) -> None:
     )
 
 
-def _two_ranks(world_size: int, size: int) -> bool:
+def _two_ranks(query: Query, size: int) -> bool:
     """``Algorithm.auto_prefer`` for allreduce: at 2 ranks, at every size, one round of whole
-    pieces beats the rings' two rounds of halves; the model says otherwise from 16 KiB. Where cma
+    pieces beats the rings' two rounds of halves; the model says otherwise from 16 KiB. On
+    buffers from ``comm.alloc`` it holds below 64 KiB only: above, zerocopy, which copies nothing,
+    is the model's to weigh (``tests/mp/test_zerocopy.py``). Where cma
     is weighed too and prefers the call, cma runs (``select.decide``: the preference weighed from
     the larger size wins), so on a machine whose kernel copies faster than its rings this rule
     holds below cma's 64 KiB only. Measured: an AMD VM (stop 31, ``shmcoll bench -n 2 -c
@@ -141,7 +143,7 @@ def _two_ranks(world_size: int, size: int) -> bool:
     ring / direct of the medians): in place 1.30 at 64 KiB, 1.26 at 256 KiB, 1.15 at 1 MiB, 1.16
     at 4 MiB, 1.11 at 16 MiB, 1.01 at 64 MiB (and from 32 to 256 MiB no launch had ring faster),
     out of place 1.17, 1.03, 1.02, 0.93, 0.96, 1.01. A tune table's measurements still decide."""
-    return world_size == 2
+    return query.world_size == 2 and (size < 64 << 10 or not query.registered)
 
 
 @register("allreduce", "direct", auto_prefer=_two_ranks)

@@ -51,10 +51,10 @@ class Algorithm:
     call, else the reason it cannot. ``auto_from(world_size)``: the automatic choice considers it
     only for calls of at least this size (``select.call_size``), and not where
     ``auto_skip(query, size)`` holds; asked for by name it serves any. Where
-    ``auto_prefer(world_size, size)`` holds, the automatic choice takes it without asking the
-    cost model (a measured advantage the model cannot see); a tune table's measurements still
-    decide. (There is no rule on in place: it is per rank, and every rank of a call must choose
-    alike.)
+    ``auto_prefer(query, size)`` holds, the automatic choice takes it without asking the cost
+    model (a measured advantage the model cannot see; like ``auto_skip``, from what every rank of
+    the call knows alike); a tune table's measurements still decide. (There is no rule on in
+    place: it is per rank, and every rank of a call must choose alike.)
     """
 
     collective: str
@@ -66,7 +66,7 @@ class Algorithm:
     options_piece: OptionsPieceRule | None = None
     auto_from: Callable[[int], int] = _anywhere
     auto_skip: Callable[[Query, int], bool] | None = None
-    auto_prefer: Callable[[int, int], bool] | None = None
+    auto_prefer: Callable[[Query, int], bool] | None = None
 
     def for_auto(self, query: Query, size: int) -> bool:
         """Whether the automatic choice weighs this algorithm for ``query`` (``size`` bytes)."""
@@ -105,7 +105,7 @@ def register(
     options_piece: OptionsPieceRule | None = None,
     auto_from: Callable[[int], int] | None = None,
     auto_skip: Callable[[Query, int], bool] | None = None,
-    auto_prefer: Callable[[int, int], bool] | None = None,
+    auto_prefer: Callable[[Query, int], bool] | None = None,
 ) -> Callable[[Builder], Builder]:
     """Register ``build`` as algorithm ``name`` of ``collective``."""
     if name not in ALGORITHM_NAMES:

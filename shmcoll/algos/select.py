@@ -384,10 +384,10 @@ def decide(
                 best, "measured", f"{how} {_fmt(estimates[best.name])}" + (f" vs {others}" if others else "")
             )
 
-    # (Only the size and the world size: every rank decides alike.) Where two prefer the call,
+    # (From what every rank of the call knows alike: every rank decides alike.) Where two prefer the call,
     # the one weighed from the larger size is the narrower claim and wins: cma's reductions over
     # direct's allreduce at 2 ranks, which holds at every size only where cma is not weighed.
-    preferred = [a for a in candidates if a.auto_prefer is not None and a.auto_prefer(query.world_size, size)]
+    preferred = [a for a in candidates if a.auto_prefer is not None and a.auto_prefer(query, size)]
     preferred.sort(key=lambda a: -a.auto_from(query.world_size))
     if preferred:
         return Decision(preferred[0], "preferred", f"{preferred[0].name}'s measured advantage at this size")

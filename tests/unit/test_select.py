@@ -390,6 +390,10 @@ def test_allreduce_at_two_ranks_runs_direct_unless_cma_prefers_it() -> None:
             assert decide(query, slot_bytes=64 * KB).algorithm.name == expected, (crossover, nbytes)
     assert decide(Query("allreduce", 3, 32 * KB // 4, 4), slot_bytes=64 * KB).reason != "preferred"
     assert decide(Query("allreduce", 4, 1 << 18, 4), slot_bytes=64 * KB).algorithm.name != "direct"
+    # buffers from comm.alloc: zerocopy, which copies nothing, is the model's to weigh from 64 KiB
+    assert decide(Query("allreduce", 2, 2, 4, registered=True), slot_bytes=64 * KB).algorithm.name == "direct"
+    large = decide(Query("allreduce", 2, 4 << 20, 4, registered=True), slot_bytes=64 * KB)
+    assert (large.algorithm.name, large.reason) == ("zerocopy", "model")
     sizes = (16 * KB,)
     ring_faster = {"direct": (9e-6,), "ring": (4e-6,)}
     table = TuneTable(MODEL, 64 * KB, (Measured("allreduce", 2, sizes, ring_faster),), "synthetic")
