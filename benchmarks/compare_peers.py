@@ -42,6 +42,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import logging
 import math
 import os
 import platform
@@ -482,26 +483,16 @@ _CALL_LINE = re.compile(
 _RACE_LINE = re.compile(r"\] cross-memory attach: (?P<race>.*)$")
 
 
-class _AutoLog:
+class _AutoLog(logging.Handler):
     """Rank 0 of a shmcoll launch keeps the communicator's INFO lines about ``auto`` while the
     sweep runs, so that the report can say which algorithm ran each size in each round and what
     the launch's race found: a size slow in one round only is then told from the machine's noise
     when ``auto`` chose differently there. The logger's own output is unchanged: without
     ``SHMCOLL_DEBUG`` it still prints warnings and nothing below."""
 
-    def __init__(self) -> None:
-        import logging
-
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__(logging.INFO)
         self.lines: list[str] = []
-        logger = logging.getLogger("shmcoll")
-        keep = self
-
-        class Keep(logging.Handler):
-            def emit(self, record: logging.LogRecord) -> None:
-                msg = record.getMessage()
-                if _CALL_LINE.search(msg) or _RACE_LINE.search(msg):
-                    keep.lines.append(msg)
-
         if not logger.handlers:  # (as Python would: warnings and worse on stderr)
             shown = logging.StreamHandler()
             shown.setLevel(logging.WARNING)
@@ -509,9 +500,15 @@ class _AutoLog:
             logger.addHandler(shown)
         if logger.getEffectiveLevel() > logging.INFO:
             logger.setLevel(logging.INFO)
-        logger.addHandler(Keep(logging.INFO))
+        logger.addHandler(self)
 
-    def flush(self) -> None:
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if _CALL_LINE.search(msg) or _RACE_LINE.search(msg):
+            self.lines.append(msg)
+
+    def send(self) -> None:
+        """The lines kept so far, as ``auto`` records on stdout."""
         for line in self.lines:
             emit({"type": "auto", "line": line})
         self.lines.clear()
@@ -520,7 +517,7 @@ class _AutoLog:
 def _shmcoll_rank(comm: Any, plan: Plan) -> None:
     from shmcoll.bench import BenchConfig, bench_rank
 
-    watch = _AutoLog() if comm.rank == 0 else None
+    watch = _AutoLog(logging.getLogger("shmcoll")) if comm.rank == 0 else None
     # One BenchConfig per size (min = max = that size), so the iteration schedule can shrink with
     # size while the sizes, the timing and the check stay bench_rank's own.
     for i, (nbytes, iters, warmup) in enumerate(zip(plan.sizes, plan.iters, plan.warmup, strict=True)):
@@ -542,7 +539,7 @@ def _shmcoll_rank(comm: Any, plan: Plan) -> None:
         for row in bench_rank(comm, cfg):
             emit({"type": "row", **dataclasses.asdict(row), "iters": iters})
         if watch is not None:
-            watch.flush()
+            watch.send()
 
 
 def _shmcoll_worker(plan: Plan) -> None:

@@ -637,4 +637,27 @@ def test_real_shmcoll_worker_with_no_peers(tmp_path: Path, capsys: pytest.Captur
     if cma.probe()[0]:  # (where the kernel's copy is refused, no race is run)
         assert re.search(r"race: the (rings|kernel) won (up to|from) \w+;", choice), choice
     assert re.search(r"; 8 B-512 B \w+$|; 8 B \w+, ", choice), choice
-    assert "shmcoll INFO" not in text  # the log was kept, not shown
+
+
+def test_auto_log_keeps_info_and_shows_only_warnings(capfd: pytest.CaptureFixture[str]) -> None:
+    """A logger with no handler of its own (no SHMCOLL_DEBUG): the INFO lines about auto are kept,
+    not shown, and a warning is still shown on stderr."""
+    import logging
+
+    logger = logging.getLogger("shmcoll-compare-test")
+    watch = cp._AutoLog(logger)
+    try:
+        call = "[rank 0] allreduce(count=2, float32, SUM, algorithm=direct): algorithm direct, 1 piece(s)"
+        logger.info(call)
+        logger.info("[rank 0] connected: world_size=2")  # not about auto: not kept
+        logger.warning("[rank 0] a warning")
+        assert watch.lines == [call]
+        err = capfd.readouterr().err
+        assert "shmcoll INFO" not in err and "connected" not in err  # the log was kept, not shown
+        assert "shmcoll WARNING [rank 0] a warning" in err
+        watch.send()
+        assert cp.parse_record(capfd.readouterr().out) == {"type": "auto", "line": call}
+        assert watch.lines == []
+    finally:
+        for h in list(logger.handlers):
+            logger.removeHandler(h)

@@ -194,13 +194,15 @@ def _jit_dependencies(path: str, package_root: str) -> set[str]:
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "shmcoll":
             base = node.module.split(".")[1:]
             for alias in node.names:
-                as_module = os.path.join(package_root, *base, alias.name) + ".py"
-                rel = os.path.join(*base, alias.name) + ".py" if os.path.exists(as_module) else None
-                if rel is None:
-                    rel = os.path.join(*base) + ".py" if base else "__init__.py"
-                    if not os.path.exists(os.path.join(package_root, rel)):
-                        rel = os.path.join(*base, "__init__.py")
-                origin[alias.asname or alias.name] = rel.replace(os.sep, "/")
+                # a module of its own (``from shmcoll.shm import layout``), else a name in the module
+                # imported from, a file or a package
+                for parts in ((*base, alias.name), tuple(base)):
+                    if parts and os.path.exists(os.path.join(package_root, *parts) + ".py"):
+                        rel = "/".join(parts) + ".py"
+                        break
+                else:
+                    rel = "/".join((*base, "__init__.py"))
+                origin[alias.asname or alias.name] = rel
 
     def decorated(fn: ast.AST) -> bool:
         for d in getattr(fn, "decorator_list", ()):
