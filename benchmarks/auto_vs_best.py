@@ -15,11 +15,17 @@ different spells of this machine (memory-bound work 2-3x slower for minutes), wh
 of algorithms within ~15% of each other differs; interleaved, both halves see the same spells,
 so what is judged is the choice, not the drift.
 
+``--mode in-place`` (or ``both``) times the in-place form, as torch and ``compare_peers.py``
+call it. ``auto``'s pick is the same for both forms (in place is per rank, so the decision must
+not depend on it, ``select.choose``), while the algorithms' times need not be: a pick made on
+the out-of-place form can be the wrong one in place, and only this mode shows it. The tune table
+of ``--interleave`` is made from out-of-place launches, as ``shmcoll tune`` makes it.
+
 Run: ``python benchmarks/auto_vs_best.py [-n 2,4] [--repeat 15] [--iters 30] [-e 8M]
-[--registered] [--interleave] [--json launches.json]`` (``--registered``: buffers from
-``comm.alloc``, where ``zerocopy`` competes). Prints one table per world size and collective,
-and the sizes where auto's pick is more than ``--tolerance`` (10%) slower than the best; exits 1
-if there are any.
+[--mode out-of-place|in-place|both] [--registered] [--interleave] [--json launches.json]``
+(``--registered``: buffers from ``comm.alloc``, where ``zerocopy`` competes). Prints one table
+per world size, collective and mode, and the sizes where auto's pick is more than
+``--tolerance`` (10%) slower than the best; exits 1 if there are any.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -67,6 +74,44 @@ def auto_pick(
     return select.choose(query, "auto", slot_bytes=cfg.slot_bytes, nslots=cfg.nslots).name
 
 
+_MODES = {"out-of-place": ("out-of-place",), "in-place": ("in-place",), "both": ("out-of-place", "in-place")}
+
+
+def judge(
+    launches: list[list[bench.Row]], picks: dict[tuple[str, int], str], tolerance: float
+) -> tuple[list[str], list[str]]:
+    """Auto's pick against the fastest algorithm, per collective, mode and size, on one world
+    size's launches, their times compared side by side (``bench.paired_times``); ``picks`` names
+    auto's algorithm per ``(collective, size)``, the same for both modes. Returns the tables'
+    lines and one line per size where the pick is more than ``tolerance`` slower than the best
+    (or was not measured)."""
+    times = bench.paired_times(launches)
+    lines: list[str] = []
+    misses: list[str] = []
+    for collective, n, mode in sorted({k[:3] for k in times}, key=lambda k: (k[1], k[0], k[2] != "out-of-place")):
+        here = {(s, a): t * 1e6 for (c, w, m, s, a), t in times.items() if (c, w, m) == (collective, n, mode)}
+        algs = sorted({a for _, a in here})
+        lines += [
+            f"\n## {collective}, {n} ranks, {mode}: us per call over {len(launches)} launches compared side"
+            " by side; * = auto's pick",
+            f"{'size':>10} " + " ".join(f"{a:>17}" for a in algs) + f" {'auto/best':>10}",
+        ]
+        for size in sorted({s for s, _ in here}):
+            med = {a: here[(size, a)] for a in algs if (size, a) in here}
+            chosen = picks[(collective, size)]
+            best = min(med, key=med.__getitem__)
+            ratio = med[chosen] / med[best] if chosen in med else math.inf
+            cells = " ".join(
+                f"{med[a]:>16.2f}{'*' if a == chosen else ' '}" if a in med else f"{'-':>17}" for a in algs
+            )
+            flag = "  <-- more than the tolerance" if ratio > 1 + tolerance else ""
+            lines.append(f"{size:>10} {cells} {ratio:>10.2f}{flag}")
+            if flag:
+                what = f"{ratio:.2f}x {best}" if chosen in med else "not measured"
+                misses.append(f"{collective} n={n} {mode} {size} B: auto runs {chosen} ({what})")
+    return lines, misses
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-n", "--nprocs", default="2,4")
@@ -78,6 +123,13 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--tolerance", type=float, default=0.10)
+    ap.add_argument(
+        "--mode",
+        choices=tuple(_MODES),
+        default="out-of-place",
+        help="the form timed and judged (both: each judged on its own times; with --interleave the "
+        "launches that make the tune table run out of place, as shmcoll tune does)",
+    )
     ap.add_argument(
         "--registered",
         action="store_true",
@@ -109,7 +161,8 @@ def main() -> int:
                 step_factor=args.step_factor,
                 iters=args.iters,
                 warmup=args.warmup,
-                modes=("out-of-place",),
+                # (with --interleave the even launches make the table: out of place, as shmcoll tune)
+                modes=("out-of-place",) if args.interleave and rep % 2 == 0 else _MODES[args.mode],
                 registered=args.registered,
                 progress=False,
             )
@@ -126,25 +179,12 @@ def main() -> int:
             measured = tune._measured(launches[0::2], registered=args.registered)
             table = select.TuneTable(model, config.get().slot_bytes, tuple(measured), "the even launches")
             judged = launches[1::2]
-        times = {(c, a, s): t * 1e6 for (c, _, _, s, a), t in bench.paired_times(judged).items()}
-        for collective in collectives:
-            algs = sorted({a for c, a, _ in times if c == collective})
-            sizes = sorted({s for c, _, s in times if c == collective})
-            print(
-                f"\n## {collective}, {n} ranks: us per call over {len(judged)} launches compared side by side;"
-                " * = auto's pick"
-            )
-            print(f"{'size':>10} " + " ".join(f"{a:>17}" for a in algs) + f" {'auto/best':>10}")
-            for size in sizes:
-                med = {a: times[(collective, a, size)] for a in algs}
-                pick = auto_pick(collective, n, counts[(collective, size)], itemsize, args.registered, table)
-                best = min(med, key=med.__getitem__)
-                ratio = med[pick] / med[best]
-                cells = " ".join(f"{med[a]:>16.2f}{'*' if a == pick else ' '}" for a in algs)
-                flag = "  <-- more than the tolerance" if ratio > 1 + args.tolerance else ""
-                print(f"{size:>10} {cells} {ratio:>10.2f}{flag}")
-                if flag:
-                    bad.append(f"{collective} n={n} {size} B: auto runs {pick} ({ratio:.2f}x {best})")
+        picks = {
+            (c, size): auto_pick(c, n, count, itemsize, args.registered, table) for (c, size), count in counts.items()
+        }
+        lines, misses = judge(judged, picks, args.tolerance)
+        print("\n".join(lines))
+        bad += misses
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "launches": saved}, f)
