@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from shmcoll.algos.registry import register
+from shmcoll.algos.registry import Query, register
 from shmcoll.plan.builder import Context, block_counts, displs, fragments, split, tagged, whole_call
 from shmcoll.plan.ir import Buf, Region, Step
 
@@ -261,7 +261,26 @@ def allgatherv(ctx: Context) -> None:
                         ctx.send(r, right, dst, c)
 
 
-@register("scan", "ring")
+def _outnumbered(query: Query, size: int) -> bool:
+    """``Algorithm.auto_prefer`` for scan and exscan: the chain at every size where ranks
+    outnumber the machine's cores (``Query.cores``). ``direct`` hands its ``n(n-1)/2`` messages
+    over in one round, which the built-in model prices as one hand-off; but with more ranks than
+    cores each of them waits for its sender to get a core, and rank ``r`` takes ``r`` of them in
+    turn, while the chain's ``n-1`` hand-offs each go to the rank just woken. Measured on the
+    2-core Zen 5 VM (``benchmarks/auto_vs_best.py -n 3,4,8 -c scan,exscan -e 2M --mode both
+    --repeat 5``, two runs, paired over each run's 5 launches; ``direct`` / ``ring`` per size
+    and form, 8 B-2 MiB): at 8 ranks 1.16-3.39 in every point; at 3 ranks 1.01-1.48 but for
+    scan in the first run (32 B in place 0.93, 8 KiB 0.96-0.98, 32 KiB 0.85-0.86, 512 KiB in
+    place 0.89), which a third run of scan (2-256 KiB, 1.04-1.38) did not see again, and exscan
+    at 8-32 KiB in place (0.99); at 4 ranks
+    1.02-1.19 up to 2 KiB in both runs, while from 8 KiB it depended on the run: 1.02-1.49 in
+    the first (part of a sweep of every collective), 0.85-1.21 in the second. The model had
+    taken ``direct`` below 128-512 KiB. With a core per rank the model decides, as before (not
+    measured here). A tune table's measurements still decide."""
+    return bool(query.cores) and query.world_size > query.cores
+
+
+@register("scan", "ring", auto_prefer=_outnumbered)
 def scan(ctx: Context) -> None:
     """Chain ``0 -> 1 -> ... -> n-1``: receive the prefix, add your value, store and forward it."""
     n, count = ctx.world_size, ctx.count
@@ -277,7 +296,7 @@ def scan(ctx: Context) -> None:
             ctx.send(r, r + 1, _at(Buf.OUT), count)
 
 
-@register("exscan", "ring")
+@register("exscan", "ring", auto_prefer=_outnumbered)
 def exscan(ctx: Context) -> None:
     """Chain ``0 -> 1 -> ... -> n-1``: store the prefix received, forward it combined with your
     value; rank 0's output is left alone."""

@@ -400,6 +400,27 @@ def test_allreduce_at_two_ranks_runs_direct_unless_cma_prefers_it() -> None:
     assert decide(Query("allreduce", 2, 16 * KB // 4, 4), table=table, slot_bytes=64 * KB).algorithm.name == "ring"
 
 
+def test_scan_runs_the_chain_where_ranks_outnumber_cores() -> None:
+    """Where ranks outnumber cores, scan and exscan run ``ring``'s chain at every size (the
+    built-in model, which prices ``direct``'s one round as one hand-off, took ``direct`` below
+    128-512 KiB); with a core per rank or unknown cores the model decides as before, and a tune
+    table's measurements still decide."""
+    for collective in ("scan", "exscan"):
+        for n in (3, 4, 8):
+            for nbytes in (8, 2 * KB, 32 * KB, 128 * KB, 2 << 20):
+                for inplace in (False, True):
+                    query = Query(collective, n, nbytes // 4, 4, inplace=inplace, cores=2)
+                    decision = decide(query, overrides="", slot_bytes=64 * KB)
+                    assert (decision.algorithm.name, decision.reason) == ("ring", "preferred"), (collective, n, nbytes)
+        for cores in (0, 4, 8):
+            small = decide(Query(collective, 4, 2, 4, cores=cores), overrides="", slot_bytes=64 * KB)
+            assert (small.algorithm.name, small.reason) == ("direct", "model"), (collective, cores)
+        direct_faster = {"direct": (1e-6,), "ring": (2e-6,)}
+        table = TuneTable(MODEL, 64 * KB, (Measured(collective, 4, (8,), direct_faster),), "synthetic")
+        measured = decide(Query(collective, 4, 2, 4, cores=2), overrides="", table=table, slot_bytes=64 * KB)
+        assert (measured.algorithm.name, measured.reason) == ("direct", "measured")
+
+
 def test_ranks_outnumbering_cores_pay_a_longer_hand_off() -> None:
     """Where ranks outnumber the machine's cores (``Query.cores``), the built-in model's alpha is
     ``OVERSUBSCRIBED_ALPHA_S``: a chain of forwarding hand-offs (ring's allgather) then loses to
