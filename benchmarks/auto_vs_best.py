@@ -22,7 +22,8 @@ the out-of-place form can be the wrong one in place, and only this mode shows it
 of ``--interleave`` is made from out-of-place launches, as ``shmcoll tune`` makes it.
 
 Run: ``python benchmarks/auto_vs_best.py [-n 2,4] [--repeat 15] [--iters 30] [-e 8M]
-[--mode out-of-place|in-place|both] [--registered] [--interleave] [--json launches.json]``
+[--mode out-of-place|in-place|both] [--pages numpy|small|huge] [--registered] [--interleave]
+[--json launches.json]``
 (``--registered``: buffers from ``comm.alloc``, where ``zerocopy`` competes). Prints one table
 per world size, collective and mode, and the sizes where auto's pick is more than
 ``--tolerance`` (10%) slower than the best; exits 1 if there are any.
@@ -141,6 +142,12 @@ def main() -> int:
         help="2x --repeat launches: the even ones make the tune table (as shmcoll tune would), the odd "
         "ones judge its picks, so both halves see the same stretch of the machine's time",
     )
+    ap.add_argument(
+        "--pages",
+        choices=("numpy", "small", "huge"),
+        default="numpy",
+        help="what backs the buffers (shmcoll bench --pages): cma's speed depends on it",
+    )
     ap.add_argument("--json", help="write every launch's rows here")
     args = ap.parse_args()
     collectives = tuple(c for c in args.collectives.split(",") if not (args.registered and c == "scatter"))
@@ -164,6 +171,7 @@ def main() -> int:
                 # (with --interleave the even launches make the table: out of place, as shmcoll tune)
                 modes=("out-of-place",) if args.interleave and rep % 2 == 0 else _MODES[args.mode],
                 registered=args.registered,
+                pages=args.pages,
                 progress=False,
             )
             print(f"# {n} ranks: launch {rep + 1}/{total}", file=sys.stderr, flush=True)

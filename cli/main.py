@@ -124,6 +124,14 @@ class _Live:
 @click.option("--out-of-place", "mode", flag_value="out-of-place", help="Only out-of-place calls.")
 @click.option("--both", "mode", flag_value="both", default=True, help="Both (default).")
 @click.option("--registered", is_flag=True, help="Use buffers from comm.alloc (zero-copy shared memory).")
+@click.option(
+    "--pages",
+    type=click.Choice(("numpy", "small", "huge")),
+    default="numpy",
+    show_default=True,
+    help="What backs ordinary buffers: numpy's allocation (huge pages from 4 MiB where the system allows, and "
+    "whatever earlier arrays left behind), 4 KiB pages, or huge pages. cma's speed depends on it.",
+)
 @click.option("--stats", is_flag=True, help="Also print p10/p90 times.")
 @click.option(
     "--json",
@@ -160,6 +168,7 @@ def bench(
     check,  # type: ignore[no-untyped-def]
     mode,
     registered,
+    pages,
     stats,
     json_path,
     csv_path,
@@ -202,6 +211,7 @@ def bench(
         check=check,
         modes=modes,
         registered=registered,
+        pages=pages,
         inject_error=inject_error,
         progress=not quiet,
     )
@@ -336,6 +346,12 @@ def info() -> None:
     click.echo(f"cross-memory attach (single-copy broadcast, allgather, gather, scatter, alltoall): {cma.probe()[1]}")
     if cma.probe()[0]:
         click.echo(f"cross-memory attach against the rings: {cma.describe_crossover(cma.crossover_bytes())}")
+        from shmcoll.shm import pages
+
+        click.echo(
+            f"transparent huge pages: {pages.thp_setting()} (the kernel pins a peer's buffer page by page, so "
+            "cross-memory attach copies faster from buffers on huge pages; numpy asks for them from 4 MiB)"
+        )
     try:
         from shmcoll.engine import cuda as gpu
 

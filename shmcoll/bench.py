@@ -43,6 +43,7 @@ from shmcoll.algos.registry import Query
 from shmcoll.collectives import COLLECTIVES, InPlace
 from shmcoll.kernels.cpu import narrow_bfloat16
 from shmcoll.shm import cma
+from shmcoll.shm import pages as page_backing
 from shmcoll.types import (
     BFLOAT16,
     FLOAT16,
@@ -131,6 +132,7 @@ class BenchConfig:
     check: bool = True
     modes: tuple[str, ...] = ("out-of-place", "in-place")
     registered: bool = False
+    pages: str = "numpy"  # what backs ordinary buffers: shm.pages.PAGES (cross-memory attach depends on it)
     inject_error: bool = False
     progress: bool = True  # a progress line on stderr while :func:`run` runs (a terminal only)
     settle_s: float = 0.3  # untimed collectives first, so the scheduler has spread the ranks
@@ -290,6 +292,7 @@ class _Buffers:
         root: int,
         inplace: bool,
         registered: bool,
+        pages: str = "numpy",
     ) -> None:
         n, r = comm.world_size, comm.rank
         self.coll = collectives.get(collective)
@@ -302,7 +305,10 @@ class _Buffers:
         b = self.block = total // n if c.blocked else total
         self.counts = [b] * n
         alloc = getattr(comm, "alloc", None) if registered else None
-        new = (lambda shape: alloc(shape, dtype)) if alloc is not None else (lambda shape: np.empty(shape, dtype))
+
+        def new(shape: tuple[int, ...]) -> Any:
+            return alloc(shape, dtype) if alloc is not None else page_backing.array(shape, dtype, pages)
+
         # Every rank allocates the same buffers in the same order (comm.alloc is collective).
         # A reduction's blocked input is flat (its result is one block, not a row of blocks).
         in_shape = ((n * b,) if c.reducing else (n, b)) if c.blocks_in else (b,)
@@ -472,7 +478,8 @@ def bench_rank(comm: Any, cfg: BenchConfig, sink: Any = None) -> list[Row]:
         root = cfg.root if collectives.get(collective).rooted else -1
         if tell is not None:
             tell(("point", index))
-        bufs = _Buffers(comm, collective, nbytes, dtype, op, max(root, 0), mode == "in-place", cfg.registered)
+        inplace = mode == "in-place"
+        bufs = _Buffers(comm, collective, nbytes, dtype, op, max(root, 0), inplace, cfg.registered, cfg.pages)
         timed = _time_point(comm, bufs, algorithms, cfg)
         wrong = np.full(len(algorithms), -1, np.int64)
         if cfg.check:
@@ -658,6 +665,10 @@ def validate(cfg: BenchConfig) -> None:
         raise ValueError("min bytes is larger than max bytes")
     if cfg.iters < 1:
         raise ValueError("iters must be >= 1")
+    if cfg.pages not in page_backing.PAGES:
+        raise ValueError(f"unknown pages {cfg.pages!r}; one of {', '.join(page_backing.PAGES)}")
+    if cfg.registered and cfg.pages != "numpy":
+        raise ValueError("buffers from comm.alloc are shmcoll's shared memory: pages applies to ordinary buffers")
     engine_types(dtype, op)
 
 
@@ -694,6 +705,8 @@ def describe(cfg: BenchConfig) -> dict[str, Any]:
         "warmup": cfg.warmup,
         "check": cfg.check,
         "registered": cfg.registered,
+        "pages": cfg.pages,
+        "thp": page_backing.thp_setting(),
     }
 
 
@@ -709,9 +722,18 @@ def format_header(meta: Mapping[str, Any]) -> str:
             f"algorithms {','.join(meta['algorithms'])}, dtype {meta['dtype']}, op {meta['op']}, root {meta['root']}",
             f"# sizes {format_size(meta['min_bytes'])} to {format_size(meta['max_bytes'])} x{meta['step_factor']:g}, "
             f"iters {meta['iters']}, warmup {meta['warmup']}, modes {','.join(meta['modes'])}, "
-            f"check {'on' if meta['check'] else 'off'}, buffers {'comm.alloc' if meta['registered'] else 'numpy'}",
+            f"check {'on' if meta['check'] else 'off'}, buffers {_buffers_text(meta)}",
         )
     )
+
+
+def _buffers_text(meta: Mapping[str, Any]) -> str:
+    """What backed the buffers, for the header (results written before ``pages`` say numpy)."""
+    if meta["registered"]:
+        return "comm.alloc"
+    pages = meta.get("pages", "numpy")
+    what = {"numpy": "numpy", "small": "4 KiB pages", "huge": "huge pages"}.get(pages, pages)
+    return f"{what} (transparent huge pages: {meta['thp']})" if "thp" in meta else what
 
 
 _MODES = ("out-of-place", "in-place")

@@ -110,12 +110,20 @@ def test_bench_rejects_bad_options() -> None:
     assert result.exit_code == 2 and "not defined" in result.output
     result = runner.invoke(main, ["bench", "-b", "lots"])
     assert result.exit_code == 2
+    result = runner.invoke(main, ["bench", "--pages", "tiny"])
+    assert result.exit_code == 2 and "tiny" in result.output
+    result = runner.invoke(main, ["bench", "--registered", "--pages", "small"])
+    assert result.exit_code == 2 and "pages applies to ordinary buffers" in result.output
 
 
 def test_info() -> None:
     result = CliRunner().invoke(main, ["info"])
     assert result.exit_code == 0, result.output
     assert "cores usable" in result.output and "/dev/shm" in result.output and "footprint" in result.output
+    from shmcoll.shm import cma, pages
+
+    if cma.probe()[0]:
+        assert f"transparent huge pages: {pages.thp_setting()} (" in result.output
 
 
 def test_cleanup_removes_only_stale_segments() -> None:
@@ -149,3 +157,18 @@ def test_bench_every_algorithm_on_registered_buffers() -> None:
     zero_copy = {line.split(",")[0][2:] for line in sections if "algorithm zerocopy" in line}
     assert zero_copy == {"allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall", "gather"}
     assert "Out of bounds values : 0 OK" in proc.stdout
+
+
+def test_bench_on_chosen_pages() -> None:
+    """--pages huge with every collective and algorithm (cma included) on 2 MiB-aligned mappings,
+    and --pages small with cma against direct on blocks of several pages: all right, and the
+    header says what backed the buffers."""
+    proc = _shmcoll("bench", "-c", "all", "-a", "all", "--pages", "huge", *SMALL)
+    assert proc.returncode == 0, proc.stderr
+    assert "Out of bounds values : 0 OK" in proc.stdout
+    assert "buffers huge pages (transparent huge pages: " in proc.stdout
+    assert any(", algorithm cma," in line for line in proc.stdout.splitlines())
+    small = [*SMALL[:2], "-b", "64K", "-e", "256K", *SMALL[6:]]
+    proc = _shmcoll("bench", "-c", "alltoall,broadcast", "-a", "cma,direct", "--pages", "small", *small)
+    assert proc.returncode == 0, proc.stderr
+    assert "Out of bounds values : 0 OK" in proc.stdout and "buffers 4 KiB pages" in proc.stdout

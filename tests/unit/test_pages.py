@@ -1,0 +1,38 @@
+"""shm/pages.py: arrays on 4 KiB or huge pages, what backs them, the system's setting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shmcoll.shm import pages
+
+
+@pytest.mark.parametrize("kind", pages.PAGES)
+def test_arrays_are_like_np_empty(kind: str) -> None:
+    for shape, dtype in (((3, 5), np.float32), (7, np.int64), ((0,), np.float64), ((2, 0), np.uint8)):
+        a = pages.array(shape, dtype, kind)
+        assert a.shape == ((shape,) if isinstance(shape, int) else shape) and a.dtype == dtype
+        assert a.flags.c_contiguous and a.flags.writeable
+        a[...] = 3
+        assert (a == 3).all()
+    if kind == "huge":  # every whole 2 MiB of it can have a huge page
+        assert pages.array(10, np.float32, kind).ctypes.data % pages.HUGE_BYTES == 0
+
+
+def test_small_pages_have_none_huge_and_huge_ones_do_where_granted() -> None:
+    small = pages.array(8 << 20, np.uint8, "small")
+    small[:] = 1
+    assert pages.huge_bytes(small) == 0
+    huge = pages.array(8 << 20, np.uint8, "huge")
+    huge[:] = 1
+    if pages.thp_setting() in ("always", "madvise"):
+        assert pages.huge_bytes(huge) >= 2 << 20  # (madvised: the fault compacts memory for one if it must)
+    else:
+        assert pages.thp_setting() in ("never", "unknown")
+    assert pages.huge_bytes(np.empty(0, np.uint8)) == 0
+
+
+def test_an_unknown_kind_is_refused() -> None:
+    with pytest.raises(ValueError, match="pages must be one of numpy, small, huge, not 'tiny'"):
+        pages.array(4, np.float32, "tiny")
