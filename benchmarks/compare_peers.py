@@ -41,6 +41,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
+import importlib.util
 import json
 import logging
 import math
@@ -102,6 +104,7 @@ class Plan:
     timeout_s: float = 600.0
     workdir: str = ""
     out_of_place: bool = False  # allreduce only (--out-of-place): x -> out instead of in place
+    pages: str = "numpy"  # what backs every library's buffers (--pages; shmcoll/shm/pages.py)
 
     @property
     def mode(self) -> str:
@@ -152,8 +155,9 @@ class PeerComm(Protocol):
     rank: int
     world_size: int
 
-    def alloc(self, count: int) -> tuple[np.ndarray, Any]:
-        """A float32 buffer of ``count`` elements: a numpy view and the library's own handle."""
+    def alloc(self, count: int, pages: str = "numpy") -> tuple[np.ndarray, Any]:
+        """A float32 buffer of ``count`` elements on ``pages`` (:func:`page_array`): a numpy view
+        and the library's own handle."""
         ...
 
     def barrier(self) -> None: ...
@@ -165,6 +169,24 @@ class PeerComm(Protocol):
     def call(self, collective: str, x: Any, out: Any) -> None:
         """Run one collective on the handles from ``alloc`` (see ``Case`` for the shapes)."""
         ...
+
+
+def _pages_module() -> Any:
+    """``shmcoll/shm/pages.py``, loaded from this checkout by its path: a peer's virtualenv has
+    numpy but not shmcoll, and every library's buffers must come from the same allocator."""
+    if "shmcoll_pages" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("shmcoll_pages", REPO / "shmcoll" / "shm" / "pages.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["shmcoll_pages"] = module
+    return sys.modules["shmcoll_pages"]
+
+
+def page_array(count: int, pages: str) -> np.ndarray:
+    """``count`` float32 elements: ``np.empty`` for ``numpy``, else on 4 KiB (``small``) or huge
+    pages of a fresh mapping (``shmcoll/shm/pages.py``)."""
+    return np.empty(count, np.float32) if pages == "numpy" else _pages_module().array(count, np.float32, pages)
 
 
 def pattern(seed: int, count: int) -> np.ndarray:
@@ -180,27 +202,30 @@ class Case:
     in place on ``x`` (``out`` is ``x``), the reduction landing on the root.
     """
 
-    def __init__(self, comm: PeerComm, collective: str, nbytes: int, out_of_place: bool = False) -> None:
+    def __init__(
+        self, comm: PeerComm, collective: str, nbytes: int, out_of_place: bool = False, pages: str = "numpy"
+    ) -> None:
         n = comm.world_size
         self.comm, self.collective = comm, collective
+        alloc = functools.partial(comm.alloc, pages=pages)
         self.count = nbytes // np.dtype(DTYPE).itemsize
         self.block = self.count // n if collective in BLOCKED else self.count
         b = self.block
         if collective == "allreduce" and out_of_place:
-            self.x, self.x_h = comm.alloc(self.count)
-            self.out, self.out_h = comm.alloc(self.count)
+            self.x, self.x_h = alloc(self.count)
+            self.out, self.out_h = alloc(self.count)
         elif collective in ("allreduce", "broadcast", "reduce"):
-            self.x, self.x_h = comm.alloc(self.count)
+            self.x, self.x_h = alloc(self.count)
             self.out, self.out_h = self.x, self.x_h
         elif collective == "allgather":
-            self.x, self.x_h = comm.alloc(b)
-            self.out, self.out_h = comm.alloc(n * b)
+            self.x, self.x_h = alloc(b)
+            self.out, self.out_h = alloc(n * b)
         elif collective == "reduce_scatter":
-            self.x, self.x_h = comm.alloc(n * b)
-            self.out, self.out_h = comm.alloc(b)
+            self.x, self.x_h = alloc(n * b)
+            self.out, self.out_h = alloc(b)
         elif collective == "alltoall":
-            self.x, self.x_h = comm.alloc(n * b)
-            self.out, self.out_h = comm.alloc(n * b)
+            self.x, self.x_h = alloc(n * b)
+            self.out, self.out_h = alloc(n * b)
         else:
             raise ValueError(f"unknown collective {collective!r}")
         self.fill()
@@ -306,7 +331,7 @@ def sweep(comm: PeerComm, plan: Plan, out: Callable[[dict[str, Any]], None] = em
     """The plan's sizes on this rank; rank 0 hands one row record per size to ``out``."""
     c = plan.collective
     for nbytes, iters, warmup in zip(plan.sizes, plan.iters, plan.warmup, strict=True):
-        case = Case(comm, c, nbytes, plan.out_of_place)
+        case = Case(comm, c, nbytes, plan.out_of_place, plan.pages)
         med, p10, p90 = time_calls(comm, case.run, iters, warmup, plan.min_iteration_s)
         wrong = np.array([case.wrong() if plan.check else 0], np.int64)
         comm.allreduce_small(wrong, "sum")
@@ -343,8 +368,8 @@ class MpiComm:
         self.rank = self.comm.Get_rank()
         self.world_size = self.comm.Get_size()
 
-    def alloc(self, count: int) -> tuple[np.ndarray, Any]:
-        a = np.empty(count, np.float32)
+    def alloc(self, count: int, pages: str = "numpy") -> tuple[np.ndarray, Any]:
+        a = page_array(count, pages)
         return a, a
 
     def barrier(self) -> None:
@@ -407,7 +432,10 @@ class GlooComm:
         self._allgather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-    def alloc(self, count: int) -> tuple[np.ndarray, Any]:
+    def alloc(self, count: int, pages: str = "numpy") -> tuple[np.ndarray, Any]:
+        if pages != "numpy":
+            a = page_array(count, pages)
+            return a, self.torch.from_numpy(a)  # (shares a's memory)
         t = self.torch.empty(count, dtype=self.torch.float32)
         return t.numpy(), t
 
@@ -533,6 +561,7 @@ def _shmcoll_rank(comm: Any, plan: Plan) -> None:
             warmup=warmup,
             check=plan.check,
             modes=(plan.mode,),
+            pages=plan.pages,
             progress=False,
             settle_s=0.3 if i == 0 else 0.0,  # once per launch, as for the peers' warm-up
         )
@@ -1049,6 +1078,7 @@ def format_markdown(comp: Comparison) -> str:
         ("numpy", "numpy"),
         ("numba", "numba"),
         ("shmcoll", "shmcoll checkout"),
+        ("pages", "buffers"),
     ):
         if meta.get(key) is not None:
             out.append(f"| {label} | {meta[key]} |")
@@ -1356,6 +1386,7 @@ def build_plans(args: argparse.Namespace) -> list[Plan]:
                     check=not args.no_check,
                     timeout_s=args.timeout,
                     out_of_place=args.out_of_place and c == "allreduce",
+                    pages=args.pages,
                 )
             )
     return plans
@@ -1376,6 +1407,7 @@ def run_comparison(args: argparse.Namespace, peers: Sequence[Peer], log: Callabl
             "large_from": args.large_from,
         },
         loadavg=f"{os.getloadavg()[0]:.2f}",
+        pages=f"{args.pages} (transparent huge pages: {_pages_module().thp_setting()})",
         libraries={},
     )
     comp = Comparison(libraries, [], [], meta)
@@ -1479,6 +1511,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=1, help="rounds of the whole sweep; tables show the median")
     ap.add_argument("--no-check", action="store_true", help="do not count wrong result elements")
     ap.add_argument("--out-of-place", action="store_true", help="allreduce from x into another out (not in place)")
+    ap.add_argument(
+        "--pages",
+        choices=("numpy", "small", "huge"),
+        default="numpy",
+        help="what backs every library's buffers: numpy's allocation (default), 4 KiB or huge pages "
+        "(single-copy transports, shmcoll's cma and Open MPI's, depend on it)",
+    )
     ap.add_argument("--timeout", type=float, default=1800.0, help="deadline of one library's sweep, s (1800)")
     ap.add_argument("--stall-timeout", type=float, default=600.0, help="deadline for each next size, s (600)")
     ap.add_argument("--json", help="write every raw row, the runs and the machine facts as JSON")

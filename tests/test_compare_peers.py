@@ -53,8 +53,8 @@ class FakeComm:
     def __init__(self, world: FakeWorld, rank: int, bug: str | None = None) -> None:
         self.world, self.rank, self.world_size, self.bug = world, rank, world.world_size, bug
 
-    def alloc(self, count: int) -> tuple[np.ndarray, Any]:
-        a = np.empty(count, np.float32)
+    def alloc(self, count: int, pages: str = "numpy") -> tuple[np.ndarray, Any]:
+        a = cp.page_array(count, pages)
         return a, a
 
     def barrier(self) -> None:
@@ -210,6 +210,23 @@ def test_sweep_is_exact_with_a_correct_fake_peer(collective: str, world_size: in
         assert r["time_us"] > 0 and r["p10_us"] <= r["time_us"] <= r["p90_us"]
         assert r["count"] == r["size"] // 4 and r["mode"] == cp.MODES[collective]
         assert r["root"] == (0 if collective in ("broadcast", "reduce") else -1)
+
+
+@pytest.mark.parametrize("pages", ["small", "huge"])
+def test_every_library_can_run_on_chosen_pages(pages: str) -> None:
+    """--pages: the peers' buffers come from shmcoll/shm/pages.py (loaded by path, as a peer's
+    virtualenv has no shmcoll), the sweep stays exact, and the plan carries the choice to the
+    workers."""
+    plan = dataclasses.replace(_plan("alltoall", 3, (48, 480)), pages=pages)
+    assert cp.Plan.from_json(plan.to_json()).pages == pages
+    rows: list[dict[str, Any]] = []
+    run_threads(3, lambda comm: cp.sweep(comm, plan, rows.append))
+    assert [r["wrong"] for r in rows] == [0, 0]
+    case = cp.Case(FakeComm(FakeWorld(1), 0), "allgather", 64, pages=pages)
+    assert cp._pages_module().__file__ == str(SCRIPT.parent.parent / "shmcoll" / "shm" / "pages.py")
+    if pages == "huge":
+        assert case.x.ctypes.data % (2 << 20) == 0 and case.out.ctypes.data % (2 << 20) == 0
+    assert cp.parse_args(["--pages", pages]).pages == pages
 
 
 def test_out_of_place_allreduce_checks_out_and_keeps_x() -> None:
