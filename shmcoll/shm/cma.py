@@ -49,6 +49,7 @@ import numpy as np
 
 from shmcoll import config
 from shmcoll.jit import jit
+from shmcoll.shm import pages
 from shmcoll.shm.atomics import (
     cpu_pause,
     fetch_add,
@@ -214,8 +215,17 @@ def race(nbytes: int, reps: int = 1, rounds: int = _ROUNDS) -> tuple[int, int, b
     exchange ``nbytes`` each way ``reps`` times through rings, and by cross-memory attach (after
     one untimed race of each); ``contended``: in the rings' fastest race a thread waited for the
     other to get a core (it yielded), so the rings' time is the scheduler's, not the copies'."""
-    held = [np.ones(max(nbytes, 1), np.uint8) for _ in range(4)]  # (ones: pages touched before timing)
-    held += [np.ones(_SLOT_BYTES * _NSLOTS, np.uint8) for _ in range(2)]
+    # On 4 KiB pages, whatever numpy or the process's heap would have given: the kernel pins a
+    # peer's buffer page by page, so on huge pages it copies up to twice as fast (shm/pages.py),
+    # and np.ones gave huge pages from 4 MiB (numpy asks for them there), so the 4 MiB rung was
+    # a coin toss between launches (the kernel won it in 4 of 16 compare_peers.py launches on
+    # the Zen 5 VM, and auto ran cma from 8 MiB for their user's buffers, on whatever pages).
+    # auto weighs cma by this race for buffers whose pages it cannot see: it assumes the common
+    # 4 KiB (torch's allocator, and numpy's below 4 MiB).
+    held = [pages.array(max(nbytes, 1), np.uint8, "small") for _ in range(4)]
+    held += [pages.array(_SLOT_BYTES * _NSLOTS, np.uint8, "small") for _ in range(2)]
+    for buf in held:
+        buf[:] = 1  # (pages touched before timing)
     total = rounds + 1
     words = np.zeros(_TIMES + 6 * total, np.int64)
     words[_BUFS : _BUFS + 6] = [x.ctypes.data for x in held]

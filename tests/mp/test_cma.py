@@ -287,6 +287,27 @@ def test_a_kernel_win_over_contended_rings_is_raced_again(monkeypatch: pytest.Mo
     assert not cma._kernel_wins(1 << 20, 1) and not races
 
 
+@permitted
+def test_the_race_runs_on_4k_pages_whatever_numpy_would_give(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel copies faster from huge pages, which np.ones gave the race's 4 MiB rung (numpy
+    asks for them from 4 MiB), so that rung was a coin toss between launches: every buffer of the
+    race is on 4 KiB pages now, and says so."""
+    from shmcoll.shm import pages
+
+    made: list[np.ndarray] = []
+    real = pages.array
+
+    def array(shape, dtype, kind="numpy"):  # type: ignore[no-untyped-def]
+        assert kind == "small", kind
+        made.append(real(shape, dtype, kind))
+        return made[-1]
+
+    monkeypatch.setattr(pages, "array", array)
+    rings, kernel, _ = cma.race(4 << 20, 1, rounds=1)
+    assert rings > 0 and kernel > 0 and len(made) == 6
+    assert all(pages.huge_bytes(a) == 0 for a in made)
+
+
 def _agreed(comm) -> tuple[int, list[str], bool]:  # type: ignore[no-untyped-def]
     """Each rank pretends to measure another crossover; rank 0 asks first, rank 1 after."""
     from shmcoll.comm import calls
