@@ -2,10 +2,10 @@
 
 Cross-memory attach (``shm/cma.py``) makes the kernel pin the peer's pages before it copies,
 page by page, so its speed depends on the page size of the peer's buffer: on the 2-core Zen 5
-VM, a process_vm_readv of 4 MiB took 180 us on 4 KiB pages and 74 us on 2 MiB pages (numpy's
-copy: 66 us), and cma's allgather at 2 ranks, 2 MiB, ran 1.5x slower than the rings on 4 KiB
-pages and 1.4x faster on huge ones (``benchmarks/RESULTS.md``, stop 37). The rings copy with
-the CPU and barely notice.
+VM, cma's allgather at 2 ranks, 2 MiB in place, took 1.21x the rings' time on 4 KiB pages and
+0.58x on huge ones, and every collective's cma was slower than the rings on 4 KiB pages and
+faster from 2 MiB on huge ones (``benchmarks/RESULTS.md``, stop 37). The rings copy with the CPU
+and barely notice.
 
 Which pages a numpy array gets is not the caller's choice: numpy asks for huge pages
 (``MADV_HUGEPAGE``) for allocations from 4 MiB, and the system grants them where transparent
