@@ -272,11 +272,11 @@ def _outnumbered(query: Query, size: int) -> bool:
     and form, 8 B-2 MiB): at 8 ranks 1.16-3.39 in every point; at 3 ranks 1.01-1.48 but for
     scan in the first run (32 B in place 0.93, 8 KiB 0.96-0.98, 32 KiB 0.85-0.86, 512 KiB in
     place 0.89), which a third run of scan (2-256 KiB, 1.04-1.38) did not see again, and exscan
-    at 8-32 KiB in place (0.99); at 4 ranks
-    1.02-1.19 up to 2 KiB in both runs, while from 8 KiB it depended on the run: 1.02-1.49 in
-    the first (part of a sweep of every collective), 0.85-1.21 in the second. The model had
-    taken ``direct`` below 128-512 KiB. With a core per rank the model decides, as before (not
-    measured here). A tune table's measurements still decide."""
+    at 8-32 KiB in place (0.99); at 4 ranks 1.02-1.19 up to 2 KiB in both runs, while from
+    8 KiB it depended on the run: 1.02-1.49 in the first (part of a sweep of every collective),
+    0.85-1.21 in the second. The model had taken ``direct`` below 128-512 KiB. With a core per
+    rank the model decides, as before (not measured here). A tune table's measurements still
+    decide."""
     return bool(query.cores) and query.world_size > query.cores
 
 

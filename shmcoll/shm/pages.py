@@ -27,7 +27,7 @@ import numpy as np
 PAGES = ("numpy", "small", "huge")
 """:func:`array`'s choices: numpy's own allocation (``np.empty``), 4 KiB pages, huge pages."""
 
-HUGE_BYTES = 2 << 20  # x86-64's transparent huge page
+HUGE_BYTES = 2 << 20  # a transparent huge page on x86-64 (and on arm64 with 4 KiB pages)
 _THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -58,8 +58,8 @@ def array(shape: int | tuple[int, ...], dtype: np.dtype | type, pages: str = "nu
 
 def huge_bytes(a: np.ndarray) -> int:
     """How many bytes of the memory mapped around ``a``'s data are on huge pages now
-    (``AnonHugePages`` of the mappings that hold its first and last bytes in
-    ``/proc/self/smaps``; 0 where that cannot be read). Slow (it reads the whole file): for
+    (``AnonHugePages`` of every mapping that overlaps it, in ``/proc/self/smaps``; 0 where that
+    cannot be read). Slow (it reads the whole file): for
     tests and reports, never a call's path."""
     if a.nbytes == 0:
         return 0
