@@ -3,30 +3,14 @@ and one real launch of both modes."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
-from typing import Any
 
 import pytest
+import scripts
 
 from shmcoll.bench import Row
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "auto_vs_best.py"
-
-
-def _load() -> Any:
-    if "auto_vs_best" in sys.modules:
-        return sys.modules["auto_vs_best"]
-    spec = importlib.util.spec_from_file_location("auto_vs_best", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["auto_vs_best"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-avb = _load()
+avb = scripts.load("auto_vs_best")
 
 
 def _row(algorithm: str, mode: str, size: int, time_us: float) -> Row:

@@ -5,7 +5,6 @@ the ratio computation, and the text / Markdown / JSON output."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import re
@@ -18,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import scripts
 
 from shmcoll.bench import BenchConfig, Row, bus_factor, sizes
 
@@ -25,18 +25,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "compare_peers.
 TESTS = Path(__file__).resolve().parent
 
 
-def _load() -> Any:
-    if "compare_peers" in sys.modules:
-        return sys.modules["compare_peers"]
-    spec = importlib.util.spec_from_file_location("compare_peers", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["compare_peers"] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
-
-
-cp = _load()
+cp = scripts.load("compare_peers")
 
 
 # --- a fake peer: n threads, collectives computed with numpy ------------------------------------
