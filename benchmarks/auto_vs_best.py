@@ -45,7 +45,7 @@ from shmcoll import bench, collectives, config, tune, units
 from shmcoll.algos import select
 from shmcoll.algos.registry import Query
 from shmcoll.collectives import COLLECTIVES
-from shmcoll.shm import cma
+from shmcoll.shm import cma, pages
 
 
 def auto_pick(
@@ -144,7 +144,7 @@ def main() -> int:
     )
     ap.add_argument(
         "--pages",
-        choices=("numpy", "small", "huge"),
+        choices=pages.PAGES,
         default="numpy",
         help="what backs the buffers (shmcoll bench --pages): cma's speed depends on it",
     )

@@ -1513,7 +1513,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out-of-place", action="store_true", help="allreduce from x into another out (not in place)")
     ap.add_argument(
         "--pages",
-        choices=("numpy", "small", "huge"),
+        choices=_pages_module().PAGES,
         default="numpy",
         help="what backs every library's buffers: numpy's allocation (default), 4 KiB or huge pages "
         "(single-copy transports, shmcoll's cma and Open MPI's, depend on it)",

@@ -110,6 +110,10 @@ def test_bench_rejects_bad_options() -> None:
     assert result.exit_code == 2 and "not defined" in result.output
     result = runner.invoke(main, ["bench", "-b", "lots"])
     assert result.exit_code == 2
+    from shmcoll.shm.pages import PAGES
+
+    pages_option = next(o for o in main.commands["bench"].params if o.name == "pages")
+    assert tuple(pages_option.type.choices) == PAGES  # (the command line keeps numpy out of its import)
     result = runner.invoke(main, ["bench", "--pages", "tiny"])
     assert result.exit_code == 2 and "tiny" in result.output
     result = runner.invoke(main, ["bench", "--registered", "--pages", "small"])
