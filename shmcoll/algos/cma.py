@@ -129,14 +129,45 @@ OVERSUBSCRIBED_FROM = {
 OVERSUBSCRIBED_DEFAULT = 4 << 20  # allgather; broadcast (which _broadcast_skips keeps to 16 MiB)
 
 
+# Where every rank's buffers are on huge pages (``Query.huge_pages``), ``auto`` runs cma from
+# HUGE_FROM on, up to the collective's HUGE_UNTIL, at up to HUGE_RANKS ranks. The kernel pins a
+# peer's pages one at a time before it copies, so from 4 KiB pages it copies at about half the
+# speed it reaches from 2 MiB ones, while the rings, copying with the CPU, barely notice: the race
+# of ``Query.cma_crossover`` runs on 4 KiB pages and says nothing about huge ones. Measured on the
+# 2-core Zen 5 VM (``auto_vs_best.py --pages huge --mode both``, 5 launches, 128 KiB-32 MiB;
+# ``benchmarks/RESULTS.md``, stop 37): cma's time over the fastest other algorithm's, out of place
+# / in place, at 2 MiB 0.58-0.94 at 2 ranks (gather in place 0.94) and 0.50-0.78 at 4; at 8 MiB
+# 0.53-0.93 at 2 ranks (but scatter in place 1.11, alltoall out of place 1.02) and 0.40-0.88 at 4
+# (alltoall out of place 0.96); at 32 MiB, where memory bandwidth sets both, alltoall and gather
+# lost at 2 ranks in place (1.76 and 1.99) and alltoall at 4 (1.13), the others won or tied
+# (0.54-1.10, the losses broadcast out of place 1.04-1.10 and allgather 1.05-1.08). At 512 KiB
+# the rings won everywhere (their slots are in the cache; huge pages or not). Above 4 ranks: not
+# measured (no machine here has the cores).
+HUGE_FROM = 2 << 20
+HUGE_UNTIL = {"alltoall": 32 << 20, "gather": 32 << 20}
+HUGE_RANKS = 4
+
+
+def _on_huge_pages(query: Query, size: int) -> bool:
+    """``Algorithm.auto_huge``: where cma is taken because every rank's buffers are on huge pages."""
+    return (
+        bool(query.huge_pages)
+        and query.world_size <= HUGE_RANKS
+        and HUGE_FROM <= size < HUGE_UNTIL.get(query.collective, 1 << 62)
+    )
+
+
 def _below_crossover(query: Query, size: int) -> bool:
     """Whether ``auto`` leaves a call of ``size`` bytes to the rings because this machine's two
     cores exchange blocks of its size faster through them than by the kernel
     (``Query.cma_crossover``, measured by ``shm.cma.crossover_bytes``): below ``n`` times the
     crossover, a block being the bytes a rank moves to one peer, about ``size / n`` in every
     collective here (the reductions' chunks, the broadcast's shares). Where ranks outnumber the
-    machine's cores, from the collective's :data:`OVERSUBSCRIBED_FROM` on at the latest. Not measured (0): the
-    sizes of ``auto_from`` alone decide.
+    machine's cores, from the collective's :data:`OVERSUBSCRIBED_FROM` on at the latest, unless
+    the ranks agreed on their buffers' pages (``Query.huge_pages`` not None): that table was
+    measured on buffers of either page size, and on 4 KiB pages cma lost to the rings at every
+    size there (4 ranks, 1.07-5.84x; stop 37). Never where :func:`_on_huge_pages` holds. Not
+    measured (0): the sizes of ``auto_from`` alone decide.
 
     The race decides this rather than a fixed size, because where the kernel loses differs by
     machine more than any one figure can say (see ``shm/cma.py``): on the Zen 5 VM, at 2 ranks,
@@ -146,11 +177,13 @@ def _below_crossover(query: Query, size: int) -> bool:
     KiB; above, cma won or lost by launch (1.7x faster to 1.4x slower at 4 MiB, mostly slower at
     16 MiB), with whether the kernel had given the buffers huge pages (``benchmarks/RESULTS.md``,
     stop 33)."""
+    if _on_huge_pages(query, size):
+        return False
     crossover = query.cma_crossover
     if crossover <= 0:
         return False
     start = query.world_size * crossover
-    if query.cores and query.world_size > query.cores:
+    if query.cores and query.world_size > query.cores and query.huge_pages is None:
         start = min(start, OVERSUBSCRIBED_FROM.get(query.collective, OVERSUBSCRIBED_DEFAULT))
     return size < start
 
@@ -178,6 +211,8 @@ def _broadcast_skips(query: Query, size: int) -> bool:
     16 MiB 1279 against 2005). Out of place at 4 ranks cma was faster than the rings from 4 MiB
     (4 MiB 758 against 875 us, 16 MiB 2878 against 4253): the rings there are in place's pick.
     The crossover's rule holds here too (:func:`_below_crossover`)."""
+    if _on_huge_pages(query, size):
+        return False
     return (query.world_size > 2 and 1 << 20 <= size < 16 << 20) or _below_crossover(query, size)
 
 
@@ -187,7 +222,15 @@ def _broadcast_skips(query: Query, size: int) -> bool:
 _SHARE_FROM = 64 << 10
 
 
-@register("broadcast", "cma", piece=_whole, supports=_permitted, auto_from=_broadcast_from, auto_skip=_broadcast_skips)
+@register(
+    "broadcast",
+    "cma",
+    piece=_whole,
+    supports=_permitted,
+    auto_from=_broadcast_from,
+    auto_skip=_broadcast_skips,
+    auto_huge=_on_huge_pages,
+)
 def broadcast(ctx: Context) -> None:
     """The root writes the first ``1/n`` of its buffer into every peer while each peer reads the
     rest from the root, so that the root's core copies too (each rank copies ``(n-1)/n`` of the
@@ -224,7 +267,15 @@ def _around(r: int, n: int) -> list[int]:
     return [(r + k) % n for k in range(1, n)]
 
 
-@register("allgather", "cma", piece=_whole, supports=_permitted, auto_from=_blocks_from, auto_skip=_below_crossover)
+@register(
+    "allgather",
+    "cma",
+    piece=_whole,
+    supports=_permitted,
+    auto_from=_blocks_from,
+    auto_skip=_below_crossover,
+    auto_huge=_on_huge_pages,
+)
 def allgather(ctx: Context) -> None:
     """Every rank copies its input into its own block, then writes it into every peer's. The own
     copy comes before the first sync (it touches nothing a peer reads or writes), so a rank that
@@ -240,7 +291,15 @@ def allgather(ctx: Context) -> None:
     zerocopy.sync(ctx)
 
 
-@register("gather", "cma", piece=_whole, supports=_permitted, auto_from=_gather_from, auto_skip=_below_crossover)
+@register(
+    "gather",
+    "cma",
+    piece=_whole,
+    supports=_permitted,
+    auto_from=_gather_from,
+    auto_skip=_below_crossover,
+    auto_huge=_on_huge_pages,
+)
 def gather(ctx: Context) -> None:
     """Every rank writes its input into its block of the root's output (the root copies its own
     unless in place)."""
@@ -254,7 +313,15 @@ def gather(ctx: Context) -> None:
     zerocopy.sync(ctx)
 
 
-@register("alltoall", "cma", piece=_whole, supports=_permitted, auto_from=_blocks_from, auto_skip=_below_crossover)
+@register(
+    "alltoall",
+    "cma",
+    piece=_whole,
+    supports=_permitted,
+    auto_from=_blocks_from,
+    auto_skip=_below_crossover,
+    auto_huge=_on_huge_pages,
+)
 def alltoall(ctx: Context) -> None:
     """Rank ``r`` writes block ``j`` of its input into block ``r`` of rank ``j``'s output, after
     copying its own block before its first sync (as allgather). In place (see :func:`_swaps`)
@@ -296,7 +363,15 @@ def _swaps(ctx: Context) -> None:
     zerocopy.sync(ctx)
 
 
-@register("scatter", "cma", piece=_whole, supports=_permitted, auto_from=auto_from, auto_skip=_below_crossover)
+@register(
+    "scatter",
+    "cma",
+    piece=_whole,
+    supports=_permitted,
+    auto_from=auto_from,
+    auto_skip=_below_crossover,
+    auto_huge=_on_huge_pages,
+)
 def scatter(ctx: Context) -> None:
     """Rank ``r`` copies block ``r`` of the root's input; the root, its own unless in place."""
     n, root, count = ctx.world_size, ctx.root, ctx.count
@@ -388,6 +463,7 @@ def _preferred(auto_from: Callable[[int], int]) -> Callable[[Query, int], bool]:
     supports=_reduction_permitted,
     auto_from=_allreduce_from,
     auto_skip=_below_crossover,
+    auto_huge=_on_huge_pages,
     auto_prefer=_preferred(_allreduce_from),
 )
 def allreduce(ctx: Context) -> None:
@@ -427,6 +503,7 @@ def _reduce_scatter_from(world_size: int) -> int:
     supports=_reduction_permitted,
     auto_from=_reduce_scatter_from,
     auto_skip=_below_crossover,
+    auto_huge=_on_huge_pages,
     auto_prefer=_preferred(_reduce_scatter_from),
 )
 def reduce_scatter(ctx: Context) -> None:

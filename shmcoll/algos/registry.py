@@ -53,7 +53,10 @@ class Algorithm:
     ``auto_skip(query, size)`` holds; asked for by name it serves any. Where
     ``auto_prefer(query, size)`` holds, the automatic choice takes it without asking the cost
     model (a measured advantage the model cannot see; like ``auto_skip``, from what every rank of
-    the call knows alike); a tune table's measurements still decide. (There is no rule on in
+    the call knows alike); a tune table's measurements still decide. Where
+    ``auto_huge(query, size)`` holds (``Query.huge_pages``: every rank's buffers are on huge
+    pages, as the ranks agreed), the automatic choice takes it before a tune table's
+    measurements, which were taken on buffers whose pages nobody knew. (There is no rule on in
     place: it is per rank, and every rank of a call must choose alike.)
     """
 
@@ -67,6 +70,7 @@ class Algorithm:
     auto_from: Callable[[int], int] = _anywhere
     auto_skip: Callable[[Query, int], bool] | None = None
     auto_prefer: Callable[[Query, int], bool] | None = None
+    auto_huge: Callable[[Query, int], bool] | None = None
 
     def for_auto(self, query: Query, size: int) -> bool:
         """Whether the automatic choice weighs this algorithm for ``query`` (``size`` bytes)."""
@@ -106,6 +110,7 @@ def register(
     auto_from: Callable[[int], int] | None = None,
     auto_skip: Callable[[Query, int], bool] | None = None,
     auto_prefer: Callable[[Query, int], bool] | None = None,
+    auto_huge: Callable[[Query, int], bool] | None = None,
 ) -> Callable[[Builder], Builder]:
     """Register ``build`` as algorithm ``name`` of ``collective``."""
     if name not in ALGORITHM_NAMES:
@@ -117,7 +122,17 @@ def register(
             raise ValueError(f"{collective}/{name} registered twice")
         doc = (build.__doc__ or "").strip()
         _REGISTRY[key] = Algorithm(
-            collective, name, build, piece, supports, doc, options_piece, auto_from or _anywhere, auto_skip, auto_prefer
+            collective,
+            name,
+            build,
+            piece,
+            supports,
+            doc,
+            options_piece,
+            auto_from or _anywhere,
+            auto_skip,
+            auto_prefer,
+            auto_huge,
         )
         return build
 

@@ -6,15 +6,18 @@ An explicit name must serve the call or the call fails. ``auto`` decides, in thi
    with size ranges ``allreduce:direct:0-64K;ring:64K-``. The first rule of the call's
    collective whose range holds the call's size wins; a rule whose algorithm cannot serve the
    call is skipped, with the reason logged.
-2. **measured**: the table written by ``shmcoll tune`` (``config.tune_file``) holds measured
+2. **pages**: where every rank's buffers are on huge pages (``Query.huge_pages``, agreed by the
+   ranks before the call: :mod:`shmcoll.comm.pages`), an algorithm that says it wins there
+   (``Algorithm.auto_huge``: cma, whose copies by the kernel are twice as fast from huge pages).
+3. **measured**: the table written by ``shmcoll tune`` (``config.tune_file``) holds measured
    times per (collective, world size) at a set of sizes. Each measured algorithm's time at the
    call's size is the cost model's prediction times the ratio measured/predicted, interpolated
    (log-log) between the measured sizes and held flat beyond them; the fastest wins. At a
    measured size that is the measured time itself, so auto never picks an algorithm that
    measured slower than another there.
-3. **model**: the cost model (:mod:`shmcoll.plan.cost`), calibrated by the tune table, or the built-in
+4. **model**: the cost model (:mod:`shmcoll.plan.cost`), calibrated by the tune table, or the built-in
    :func:`default_model` without one, simulates every candidate's plan; the fastest wins.
-4. **fallback**: the first registered candidate (``direct``), when nothing can predict.
+5. **fallback**: the first registered candidate (``direct``), when nothing can predict.
 
 Calls on buffers from ``comm.alloc`` (``Query.registered``) are decided the same way, with
 ``zerocopy`` among the candidates and the table's measurements taken on such buffers (``shmcoll
@@ -246,8 +249,8 @@ def reset() -> None:
 # --- the decision ---------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """The algorithm auto chose, and why: ``override``, ``measured``, ``preferred``
-    (``Algorithm.auto_prefer``), ``model`` or ``fallback``."""
+    """The algorithm auto chose, and why: ``override``, ``pages`` (``Algorithm.auto_huge``),
+    ``measured``, ``preferred`` (``Algorithm.auto_prefer``), ``model`` or ``fallback``."""
 
     algorithm: Algorithm
     reason: str
@@ -323,6 +326,13 @@ def decide(
             return Decision(by_name[rule.algorithm], "override", f"SHMCOLL_ALGO {rule.text!r}")
         reason = why_not.get(rule.algorithm, f"not registered for {query.collective}")
         log.warning("%s: SHMCOLL_ALGO rule %r skipped: %s", what, rule.text, reason)
+
+    # Before the tune table: its times were measured on buffers whose pages nobody knew, and on
+    # huge pages cma's copies run twice as fast as on 4 KiB ones (shm/pages.py).
+    if query.huge_pages:
+        for alg in candidates:
+            if alg.auto_huge is not None and alg.auto_huge(query, size):
+                return Decision(alg, "pages", f"{alg.name}'s measured advantage on huge pages at this size")
 
     # hierarchical only pays off with several groups of several ranks; with one group (or one
     # rank per group) it is its own sub-algorithms with extra steps, and it must never win a
@@ -401,6 +411,9 @@ def decide(
     return Decision(candidates[0], "fallback", "no prediction for any candidate")
 
 
+_PAGES_TEXT = {None: "", True: " if every rank's buffers are on huge pages", False: " if not"}
+
+
 @functools.lru_cache(maxsize=4096)
 def _decide_cached(
     query: Query, overrides: str, tune_file: str, slot_bytes: int | None, nslots: int | None, group_size: int | None
@@ -443,10 +456,11 @@ def choose(
     groups = cfg.group_size if group_size is None else group_size
     decision = _decide_cached(key, cfg.algo, cfg.tune_file, slot_bytes, nslots, groups)
     (log if logger is None else logger).info(
-        "auto: %s n=%d %d B -> %s (%s: %s)",
+        "auto: %s n=%d %d B%s -> %s (%s: %s)",
         query.collective,
         query.world_size,
         call_size(query),
+        _PAGES_TEXT[query.huge_pages],
         decision.algorithm.name,
         decision.reason,
         decision.detail,

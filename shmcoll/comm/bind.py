@@ -156,7 +156,9 @@ def _make_lean(rt: Runtime, code: int, identity: tuple[Any, ...], b: Any, eligib
     the call has work after the engine's, a trace is on, its dtype has no entry point, or the
     caller says it is not ``eligible``."""
     call = b[0]
-    enter = lean_entry(call.engine_dtype) if eligible and not call.finish and not rt._trace else None
+    enter = (
+        lean_entry(call.engine_dtype) if eligible and not call.finish and call.huge is None and not rt._trace else None
+    )
     if enter is None:
         rt._lean[code] = NOT_LEAN
         return
@@ -173,7 +175,8 @@ def lean_run(rt: Runtime, b: Any) -> tuple[Any, ...] | None:
     if type(b) is not tuple or b[1] is None or b[5] is not None or rt._trace:
         return None
     call = b[0]
-    enter = lean_entry(call.engine_dtype) if not call.finish else None
+    # (a call shape whose ranks agree on their pages first runs through the run loop: comm.pages)
+    enter = lean_entry(call.engine_dtype) if not call.finish and call.huge is None else None
     if enter is None:
         return None
     record = engine.record_for(call.start, b[1], b[2])

@@ -13,6 +13,7 @@ only in what they do with it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from typing import Any
@@ -28,7 +29,7 @@ from shmcoll.engine import cpu as engine
 from shmcoll.plan import ir
 from shmcoll.plan.passes import plan_call
 from shmcoll.plan.verify import verify
-from shmcoll.shm import cma
+from shmcoll.shm import cma, pages
 from shmcoll.types import BFLOAT16, BOOL, FLOAT16, ReduceOp, engine_types, identity
 
 log = logging.getLogger("shmcoll")
@@ -51,6 +52,11 @@ class Call:
 
     ``fill`` is set where the plan leaves the result alone but the method defines it: an
     exscan's rank 0, whose result is the op's identity.
+
+    ``huge`` is set where ``auto``'s choice depends on the page size of the ranks' buffers: the
+    call shape every rank runs instead when all of them are on huge pages (the ranks agree on it
+    before each call: :mod:`shmcoll.comm.pages`), and ``seen`` is what this rank's buffers were
+    at its last call.
 
     ``engine_dtype`` is what the engine moves and reduces (bool as uint8, float16 and bfloat16 as
     float32 when it reduces, else as uint16); ``widened`` marks a float16 or bfloat16 reduction,
@@ -83,6 +89,8 @@ class Call:
         "varying",
         "fill",
         "finish",
+        "huge",
+        "seen",
     )
 
     def __init__(
@@ -126,6 +134,10 @@ class Call:
         self.varying = varying  # messages are tagged with their block's count (comm.failures.fail_counts)
         self.fill = fill  # exscan's rank 0: the result is the op's identity, written after the call
         self.finish = self.special or fill is not None  # the run loop has work after the engine's
+        # Where auto's choice hinges on the pages of the ranks' buffers (comm.pages): the call shape
+        # to run instead when every rank's are on huge pages, and what this rank's were last time.
+        self.huge: Call | None = None
+        self.seen: Any = None
 
 
 Bound = tuple
@@ -208,7 +220,21 @@ def prepare(
         cma=not registered and cma.probe()[0],
     )
     lay = rt._arena.layout
-    options: dict[str, object] | None = None
+    build = functools.partial(
+        _build,
+        rt,
+        record,
+        dtype=dtype,
+        count=count,
+        reduce_op=reduce_op,
+        engine_op=engine_op,
+        engine_dtype=engine_dtype,
+        widened=widened,
+        inplace=inplace,
+        root=root,
+        counts=counts,
+        matrix=matrix,
+    )
     if record.internal:
         alg = registry.get(kind, "direct")
     else:
@@ -217,11 +243,52 @@ def prepare(
             query = dataclasses.replace(query, cores=os.cpu_count() or 0)
             if query.cma and rt.world_size > 1:
                 query = dataclasses.replace(query, cma_crossover=cma_crossover(rt))
-        alg = choose(
-            query, algorithm, slot_bytes=lay.slot_bytes, nslots=lay.nslots, group_size=group_size, logger=rt._log
+        pick = functools.partial(
+            choose, slot_bytes=lay.slot_bytes, nslots=lay.nslots, group_size=group_size, logger=rt._log
         )
-        if alg.name == "hierarchical":
-            options = {"group_size": group_size}
+        huge_alg = None
+        if (
+            algorithm == "auto"
+            and query.cma
+            and rt.world_size > 1
+            and not record.varying
+            and not widened  # (reduced through scratch: the user's pages are not what peers read)
+            and pages.can_scan()
+        ):
+            # Decided for both page sizes; where they differ the ranks agree at every call (comm.pages).
+            query = dataclasses.replace(query, huge_pages=False)
+            huge_alg = pick(dataclasses.replace(query, huge_pages=True), algorithm)
+        alg = pick(query, algorithm)
+        if huge_alg is not None and huge_alg.name != alg.name:
+            call = build(alg)
+            call.huge = build(huge_alg)
+            return call
+    return build(alg)
+
+
+def _build(
+    rt: Any,
+    record: collectives.Collective,
+    alg: registry.Algorithm,
+    *,
+    dtype: np.dtype,
+    count: int,
+    reduce_op: ReduceOp,
+    engine_op: ReduceOp,
+    engine_dtype: np.dtype,
+    widened: bool,
+    inplace: bool,
+    root: int,
+    counts: tuple[int, ...],
+    matrix: tuple[tuple[int, ...], ...],
+) -> Call:
+    """The call shape that runs ``alg``: its plan built, verified when asked, encoded and sized."""
+    kind = record.name
+    lay = rt._arena.layout
+    plan_count = sum(counts) + sum(map(sum, matrix)) if record.varying else count
+    options: dict[str, object] | None = None
+    if alg.name == "hierarchical":
+        options = {"group_size": groups.group_size(rt)}
     slot_capacity = lay.slot_bytes // engine_dtype.itemsize
     plan = plan_call(
         alg,

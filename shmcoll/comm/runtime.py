@@ -32,7 +32,7 @@ import psutil
 
 from shmcoll import collectives, config, jit
 from shmcoll.collectives import KIND_CODE
-from shmcoll.comm import calls, failures
+from shmcoll.comm import calls, failures, pages
 from shmcoll.comm.calls import Bound, Call
 from shmcoll.comm.requests import Queue, Request, with_trying
 from shmcoll.engine import cpu as engine
@@ -133,6 +133,7 @@ class Runtime:
         self._groups: int | None = None
         self._groups_agreed = False
         self._cma_crossover: int | None = None  # agreed by the ranks (calls.cma_crossover), once needed
+        self._pages_flag: np.ndarray | None = None  # what comm.pages.agreed agrees on
         self._progress: Queue | None = None  # started operations (created by the first one)
         self._p2p: Any = None  # point-to-point state (comm.p2p, created by the first message)
         self._mem_total = psutil.virtual_memory().total
@@ -365,6 +366,8 @@ class Runtime:
         if self._broken is not None:
             self._check_usable()
         limit = self._timeout if timeout is None else config.timeout_s(timeout)
+        if b[0].huge is not None:  # auto's choice hinges on the ranks' pages: they agree first
+            b = pages.agreed(self, b, timeout)
         call, inp, res, result, out, _, _ = b
         if inp is None:
             handles = self._claim(call)

@@ -31,6 +31,9 @@ class Query:
     cma_crossover: int = 0
     # Processors of the machine (os.cpu_count(), the same for every rank of it); 0: unknown.
     cores: int = 0
+    # Whether every rank's buffers of the call are on huge pages, as the ranks agreed before it
+    # (comm.pages); None: not known (a plan, a simulation, a call whose choice does not hinge on it).
+    huge_pages: bool | None = None
 
     @property
     def nbytes(self) -> int:

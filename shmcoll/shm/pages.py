@@ -18,9 +18,12 @@ not depend on that history.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
+import os
 import re
+import threading
 
 import numpy as np
 
@@ -88,3 +91,133 @@ def thp_setting() -> str:
     except OSError:
         return "unknown"
     return chosen[1] if chosen else "unknown"
+
+
+# --- what backs a buffer, fast enough for a call's path (Linux 6.7+) ---------------------------
+# The PAGEMAP_SCAN ioctl on /proc/self/pagemap reports runs of pages by category; the two asked
+# for here are "present" and "huge" (linux/fs.h: PAGE_IS_PRESENT, PAGE_IS_HUGE). It walks the page
+# table: 3-6 us for a buffer on huge pages, but 9 us for 2 MiB and 190 us for 64 MiB of 4 KiB
+# pages (the Zen 5 VM, from Python), so answers are cached (:func:`huge_share`).
+class _ScanArg(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in (
+            "size",
+            "flags",
+            "start",
+            "end",
+            "walk_end",
+            "vec",
+            "vec_len",
+            "max_pages",
+            "category_inverted",
+            "category_mask",
+            "category_anyof_mask",
+            "return_mask",
+        )
+    ]
+
+
+class _Run(ctypes.Structure):
+    _fields_ = [("start", ctypes.c_uint64), ("end", ctypes.c_uint64), ("categories", ctypes.c_uint64)]
+
+
+_PAGEMAP_SCAN = (3 << 30) | (ctypes.sizeof(_ScanArg) << 16) | (ord("f") << 8) | 16  # _IOWR('f', 16, ...)
+_PRESENT, _HUGE = 1 << 3, 1 << 6
+_RUNS = 64  # runs returned per ioctl; a buffer with more continues where the walk ended
+_SMALL_PAGE = 4096
+
+
+class _Scanner:
+    """One open ``/proc/self/pagemap`` and its argument block (under a lock: communicators in
+    other threads may scan at once); ``ok`` is False where the kernel has no PAGEMAP_SCAN."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pid = os.getpid()
+        self.ok = False
+        self.fd = -1
+        try:
+            self.fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+            libc = ctypes.CDLL(None, use_errno=True)
+            self.ioctl = libc.ioctl
+            self.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
+            self.ioctl.restype = ctypes.c_long
+        except (OSError, AttributeError):
+            return
+        self.runs = (_Run * _RUNS)()
+        self.arg = _ScanArg(size=ctypes.sizeof(_ScanArg), vec=ctypes.addressof(self.runs), vec_len=_RUNS)
+        self.arg.return_mask = self.arg.category_anyof_mask = _PRESENT | _HUGE
+        probe = np.zeros(1, np.uint8)
+        self.ok = self.scan(probe.ctypes.data, 1) is not None
+
+    def scan(self, address: int, nbytes: int) -> tuple[int, int] | None:
+        """(bytes on huge pages, bytes present) of the pages that hold ``[address, address +
+        nbytes)``; None where the kernel refuses."""
+        lo = address & ~(_SMALL_PAGE - 1)
+        hi = (address + nbytes + _SMALL_PAGE - 1) & ~(_SMALL_PAGE - 1)
+        huge = present = 0
+        with self.lock:
+            arg, runs = self.arg, self.runs
+            while lo < hi:
+                arg.start, arg.end = lo, hi
+                got = self.ioctl(self.fd, _PAGEMAP_SCAN, ctypes.addressof(arg))
+                if got < 0:
+                    return None
+                for i in range(got):
+                    span = runs[i].end - runs[i].start
+                    if runs[i].categories & _PRESENT:
+                        present += span
+                    if runs[i].categories & _HUGE:
+                        huge += span
+                if arg.walk_end <= lo:
+                    break
+                lo = arg.walk_end
+        return huge, present
+
+
+_scanner: _Scanner | None = None
+_SHARES: dict[tuple[int, int], float] = {}
+_SHARES_MAX = 256  # buffers remembered; a program with more starts over
+
+
+def scanner() -> _Scanner:
+    global _scanner
+    if _scanner is None or _scanner.pid != os.getpid():  # (a forked child has its own page table)
+        if _scanner is not None and _scanner.fd >= 0:
+            os.close(_scanner.fd)
+        _scanner = _Scanner()
+        _SHARES.clear()
+    return _scanner
+
+
+def can_scan() -> bool:
+    """Whether this kernel reports page sizes cheaply (``PAGEMAP_SCAN``, Linux 6.7 and later)."""
+    return scanner().ok
+
+
+def huge_share(address: int, nbytes: int) -> tuple[float, bool]:
+    """(share of ``[address, address + nbytes)`` on huge pages now, whether that is settled);
+    (0.0, True) where it cannot be read. Settled, and remembered per (address, size), once every
+    page is present: then only the kernel's background collapse, or a buffer freed and another
+    mapped in its place, could change it, and a stale answer costs speed, never correctness. A
+    buffer not yet touched all over is looked at again at its next call."""
+    if nbytes <= 0:
+        return 0.0, True
+    key = (address, nbytes)
+    share = _SHARES.get(key)
+    if share is not None:
+        return share, True
+    s = scanner()
+    got = s.scan(address, nbytes) if s.ok else None
+    if got is None:
+        return 0.0, True
+    huge, present = got
+    span = ((address + nbytes + _SMALL_PAGE - 1) & ~(_SMALL_PAGE - 1)) - (address & ~(_SMALL_PAGE - 1))
+    share = huge / span
+    if present < span:
+        return share, False
+    if len(_SHARES) >= _SHARES_MAX:
+        _SHARES.clear()
+    _SHARES[key] = share
+    return share, True

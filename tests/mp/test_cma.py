@@ -8,17 +8,19 @@ import dataclasses
 import os
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
 from harness import run_ranks
 
-from shmcoll import config
+from shmcoll import collectives, config
 from shmcoll.algos import registry
-from shmcoll.algos.select import choose, decide
+from shmcoll.algos.select import Measured, TuneTable, choose, decide
 from shmcoll.errors import UnsupportedError
+from shmcoll.plan import cost
 from shmcoll.plan.algorithm import Query
-from shmcoll.shm import cma
+from shmcoll.shm import cma, pages
 
 permitted = pytest.mark.skipif(not cma.probe()[0], reason=f"cross-memory attach {cma.probe()[1]}")
 
@@ -180,6 +182,150 @@ def test_auto_weighs_cma_from_the_measured_crossover() -> None:
         assert choose(q).name != "cma"
         q = dataclasses.replace(q, cma_crossover=cma.LADDER_BYTES[0])
         assert choose(q).name == "cma"
+
+
+def test_auto_runs_cma_where_every_rank_is_on_huge_pages() -> None:
+    """``Query.huge_pages`` (agreed by the ranks, ``comm.pages``): cma from 2 MiB at up to 4 ranks,
+    before a tune table and whatever the race says; alltoall and gather only below 32 MiB; known
+    4 KiB pages leave the rings to the race alone, without the oversubscribed sizes."""
+
+    def decided(collective: str, nbytes: int, huge: bool | None, n: int = 2, table: Any = None) -> tuple[str, str]:
+        count = -(-nbytes // 4 // (n if collective not in ("broadcast", "allreduce") else 1))  # (at least nbytes)
+        query = Query(collective, n, count, 4, cma=True, cma_crossover=cma.NEVER, cores=2, huge_pages=huge)
+        d = decide(query, overrides="", table=table)
+        return d.algorithm.name, d.reason
+
+    kinds = ("allgather", "alltoall", "gather", "scatter", "reduce_scatter", "allreduce", "broadcast")
+    for collective in kinds:
+        for n in (2, 3, 4):
+            assert decided(collective, 2 << 20, True, n) == ("cma", "pages"), (collective, n)
+            assert decided(collective, 8 << 20, True, n) == ("cma", "pages"), (collective, n)
+            assert decided(collective, 1 << 20, True, n)[1] != "pages", (collective, n)  # (the rings' cache)
+            assert decided(collective, 2 << 20, False, n)[0] != "cma", (collective, n)  # the race: never
+        assert decided(collective, 2 << 20, True, n=8)[1] != "pages", collective  # not measured above 4
+        big = decided(collective, 32 << 20, True)
+        assert (big[1] == "pages") == (collective not in ("alltoall", "gather")), (collective, big)
+    # 4 KiB pages, 4 ranks on 2 cores: the race alone (it never saw the kernel win), not the
+    # oversubscribed sizes, which were measured on buffers of either page size
+    assert (
+        decided("allgather", 4 << 20, None, n=4)[0] == "cma" and decided("allgather", 4 << 20, False, n=4)[0] != "cma"
+    )
+    assert (
+        decided("allreduce", 16 << 20, None, n=4)[0] == "cma" and decided("allreduce", 16 << 20, False, n=4)[0] != "cma"
+    )
+    # Before a tune table, whose times were taken on buffers of unknown pages
+    sizes = (1 << 20, 4 << 20, 16 << 20)
+    table = TuneTable(
+        cost.CostModel(0.25e-6, 20e9),
+        64 << 10,
+        (Measured("allgather", 2, sizes, {"direct": (1e-4, 4e-4, 1.6e-3), "cma": (2e-4, 8e-4, 3.2e-3)}),),
+        "synthetic",
+    )
+    assert decided("allgather", 4 << 20, False, table=table) == ("direct", "measured")
+    assert decided("allgather", 4 << 20, True, table=table) == ("cma", "pages")
+    # In place is per rank: the choice on huge pages must not depend on it either
+    for collective in ("broadcast", "alltoall", "allgather", "gather"):
+        count = (4 << 20) // 4 // (2 if collective != "broadcast" else 1)
+        picked = {
+            choose(Query(collective, 2, count, 4, inplace=ip, cma=True, cma_crossover=cma.NEVER, huge_pages=True)).name
+            for ip in (False, True)
+        }
+        assert picked == {"cma"}, (collective, picked)
+
+
+def _by_pages(comm, kinds: list[str]) -> tuple[list[str], list[str], bool]:  # type: ignore[no-untyped-def]
+    """Large calls on buffers of the pages ``kinds[rank]`` names, blocking, nonblocking and
+    persistent, with a small allreduce in a loop between them: which plans ran (the labels
+    ``comm.pages.agreed`` returned), what was wrong, and whether the small call kept its lean path."""
+    from shmcoll.comm import pages as agreement
+    from shmcoll.shm import pages
+
+    ran: list[str] = []
+    own = agreement.agreed
+
+    def spy(rt, b, timeout):  # type: ignore[no-untyped-def]
+        chosen = own(rt, b, timeout)
+        ran.append(chosen[0].label)
+        return chosen
+
+    agreement.agreed = spy  # type: ignore[assignment]
+    try:
+        r, n, kind = comm.rank, comm.world_size, kinds[comm.rank]
+        count = (4 << 20) // 4  # 4 MiB per rank: from 8 MiB the calls' size
+        bad = []
+        tiny = np.ones(2, np.float32)
+        comm.allreduce(tiny)
+        comm.allreduce(tiny)  # (now on the lean path)
+        lean = comm._lean[collectives.get("allreduce").code]
+        x = pages.array(count, np.float32, kind)
+        x[...] = r
+        out = pages.array((n, count), np.float32, kind)
+        out[...] = -1
+        for _ in range(2):
+            comm.allgather(x, out=out)
+            comm.allreduce(tiny)
+        if not all((out[j] == j).all() for j in range(n)):
+            bad.append("allgather")
+        rows = pages.array((n, count), np.float32, kind)
+        rows[...] = (np.arange(n) * 10 + r)[:, None]
+        comm.alltoall(rows, out=rows)  # in place
+        if not all((rows[j] == r * 10 + j).all() for j in range(n)):
+            bad.append("alltoall in place")
+        out[...] = -1
+        comm.iallgather(x, out=out).wait()
+        if not all((out[j] == j).all() for j in range(n)):
+            bad.append("iallgather")
+        b = pages.array(count, np.float32, kind)
+        req = comm.broadcast_init(b, root=n - 1)
+        for value in (5, 6):
+            b[...] = value if r == n - 1 else -1
+            req.start()
+            req.wait()
+            if not (b == value).all():
+                bad.append("broadcast_init")
+        comm.allreduce(tiny)
+        kept = comm._lean[collectives.get("allreduce").code] is lean and (tiny == n**5).all()
+        return ran, bad, bool(kept)
+    finally:
+        agreement.agreed = own  # type: ignore[method-assign]  # the pool's processes live on
+
+
+@permitted
+@pytest.mark.skipif(not pages.can_scan(), reason="no PAGEMAP_SCAN here (Linux 6.7 and later)")
+@pytest.mark.skipif(pages.thp_setting() not in ("always", "madvise"), reason="no transparent huge pages")
+@pytest.mark.parametrize(
+    "kinds", [["huge", "huge"], ["huge", "small"], ["small", "huge", "huge"], ["huge", "huge", "huge"]]
+)
+def test_ranks_agree_on_their_pages_before_a_call_whose_choice_hinges_on_them(kinds: list[str]) -> None:
+    """cma runs where every rank's buffers are on huge pages, the rings where one rank's are on
+    4 KiB pages; the blocking, nonblocking and persistent forms alike (4 calls of 6 agreed on),
+    with exact results, and the program's small allreduce keeps its lean path between them."""
+    results = run_ranks(_by_pages, len(kinds), kinds, timeout=120)
+    everywhere = all(k == "huge" for k in kinds)
+    for ran, bad, kept in results:
+        assert not bad and kept, (bad, kept)
+        assert len(ran) == 6, ran  # allgather twice, alltoall, iallgather, broadcast_init twice
+        assert all(("algorithm=cma" in label) == everywhere for label in ran), ran
+    assert len({tuple(ran) for ran, _, _ in results}) == 1  # every rank ran the same plans
+
+
+def _without_scan(comm) -> tuple[list[bool], bool]:  # type: ignore[no-untyped-def]
+    from shmcoll.shm import pages
+
+    scanner = pages.scanner()
+    scanner.ok = False  # as on a kernel before 6.7
+    try:
+        g = comm.allgather(np.full(1 << 20, comm.rank, np.float32))
+        return [c.huge is not None for c in comm._calls.values()], bool((g[1] == 1).all())
+    finally:
+        scanner.ok = True
+
+
+@permitted
+@pytest.mark.skipif(not pages.can_scan(), reason="no PAGEMAP_SCAN here (Linux 6.7 and later)")
+def test_without_the_scan_no_call_waits_for_an_agreement_on_pages() -> None:
+    for aware, right in run_ranks(_without_scan, 2, timeout=60):
+        assert right and aware == [False], aware
 
 
 def test_ranks_wait_for_the_first_measurement_or_take_over_from_a_lost_one(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -36,3 +36,39 @@ def test_small_pages_have_none_huge_and_huge_ones_do_where_granted() -> None:
 def test_an_unknown_kind_is_refused() -> None:
     with pytest.raises(ValueError, match="pages must be one of numpy, small, huge, not 'tiny'"):
         pages.array(4, np.float32, "tiny")
+
+
+scans = pytest.mark.skipif(not pages.can_scan(), reason="no PAGEMAP_SCAN here (Linux 6.7 and later)")
+thp = pytest.mark.skipif(pages.thp_setting() not in ("always", "madvise"), reason="no transparent huge pages")
+
+
+@scans
+def test_the_scan_tells_4k_pages_from_huge_ones_and_agrees_with_smaps() -> None:
+    small = pages.array(4 << 20, np.uint8, "small")
+    small[:] = 1
+    assert pages.huge_share(small.ctypes.data, small.nbytes) == (0.0, True)
+    view = small[12345:]  # (not page-aligned)
+    assert pages.huge_share(view.ctypes.data, view.nbytes) == (0.0, True)
+    if pages.thp_setting() in ("always", "madvise"):
+        huge = pages.array(6 << 20, np.uint8, "huge")
+        huge[:] = 1
+        share, settled = pages.huge_share(huge.ctypes.data, huge.nbytes)
+        assert settled and share == pages.huge_bytes(huge) / huge.nbytes > 0
+    assert pages.huge_share(0, 0) == (0.0, True)
+
+
+@scans
+@thp
+def test_pages_not_yet_touched_are_looked_at_again() -> None:
+    """A fresh buffer has no pages yet: not huge, and not remembered as such, so the first call
+    on an output it allocates does not settle the answer for the calls after it."""
+    huge = pages.array(4 << 20, np.uint8, "huge")
+    assert pages.huge_share(huge.ctypes.data, huge.nbytes) == (0.0, False)
+    huge[: 2 << 20] = 1
+    assert pages.huge_share(huge.ctypes.data, huge.nbytes) == (0.5, False)
+    huge[:] = 1
+    assert pages.huge_share(huge.ctypes.data, huge.nbytes) == (1.0, True)
+    # remembered once settled: the same (address, size) is not scanned again
+    pages._SHARES[(huge.ctypes.data, huge.nbytes)] = 0.25
+    assert pages.huge_share(huge.ctypes.data, huge.nbytes) == (0.25, True)
+    pages._SHARES.clear()
