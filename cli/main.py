@@ -352,6 +352,14 @@ def info() -> None:
             f"transparent huge pages: {pages.thp_setting()} (the kernel pins a peer's buffer page by page, so "
             "cross-memory attach copies faster from buffers on huge pages; numpy asks for them from 4 MiB)"
         )
+        click.echo(
+            "page-aware choice of cross-memory attach: "
+            + (
+                "on (the ranks of a call of 2 MiB and more tell each other whether their buffers are on huge pages)"
+                if pages.can_scan()
+                else "off (this kernel has no PAGEMAP_SCAN, Linux 6.7+: auto cannot tell huge pages from 4 KiB ones)"
+            )
+        )
     try:
         from shmcoll.engine import cuda as gpu
 

@@ -128,6 +128,8 @@ def test_info() -> None:
 
     if cma.probe()[0]:
         assert f"transparent huge pages: {pages.thp_setting()} (" in result.output
+        aware = "on (the ranks" if pages.can_scan() else "off (this kernel has no PAGEMAP_SCAN"
+        assert f"page-aware choice of cross-memory attach: {aware}" in result.output
 
 
 def test_cleanup_removes_only_stale_segments() -> None:

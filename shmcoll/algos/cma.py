@@ -48,7 +48,10 @@ does not see), and only where this machine's two cores exchange a block of the c
 slower by the kernel than through the rings (``Query.cma_crossover``, :func:`_below_crossover`),
 not for broadcasts from 1 to 16 MiB at 3 ranks and more (see :func:`_broadcast_skips`), with the
 model or the tune table's measurements; for the reductions it is preferred from there on up to 4
-ranks (:func:`_preferred`); asked for by name it serves any size.
+ranks (:func:`_preferred`); where every rank's buffers are on huge pages (``Query.huge_pages``,
+which the ranks agree on before such a call: ``comm/pages.py``) it is taken from
+:func:`huge_from` whatever the race says, before a tune table (:func:`_on_huge_pages`); asked for
+by name it serves any size.
 
 ``auto`` cannot tell in place from out of place here: in place is per rank, and every rank of a
 call must choose the same algorithm (``select.choose`` decides on the out-of-place query). One
@@ -130,22 +133,52 @@ OVERSUBSCRIBED_DEFAULT = 4 << 20  # allgather; broadcast (which _broadcast_skips
 
 
 # Where every rank's buffers are on huge pages (``Query.huge_pages``), ``auto`` runs cma from
-# HUGE_FROM on, up to the collective's HUGE_UNTIL, at up to HUGE_RANKS ranks. The kernel pins a
+# huge_from(n) on, up to the collective's HUGE_UNTIL, at up to HUGE_RANKS ranks. The kernel pins a
 # peer's pages one at a time before it copies, so from 4 KiB pages it copies at about half the
 # speed it reaches from 2 MiB ones, while the rings, copying with the CPU, barely notice: the race
 # of ``Query.cma_crossover`` runs on 4 KiB pages and says nothing about huge ones. Measured on the
-# 2-core Zen 5 VM (``auto_vs_best.py --pages huge --mode both``, 5 launches, 128 KiB-32 MiB;
-# ``benchmarks/RESULTS.md``, stop 37): cma's time over the fastest other algorithm's, out of place
-# / in place, at 2 MiB 0.58-0.94 at 2 ranks (gather in place 0.94) and 0.50-0.78 at 4; at 8 MiB
-# 0.53-0.93 at 2 ranks (but scatter in place 1.11, alltoall out of place 1.02) and 0.40-0.88 at 4
-# (alltoall out of place 0.96); at 32 MiB, where memory bandwidth sets both, alltoall and gather
-# lost at 2 ranks in place (1.76 and 1.99) and alltoall at 4 (1.13), the others won or tied
-# (0.54-1.10, the losses broadcast out of place 1.04-1.10 and allgather 1.05-1.08). At 512 KiB
-# the rings won everywhere (their slots are in the cache; huge pages or not). Above 4 ranks: not
-# measured (no machine here has the cores).
-HUGE_FROM = 2 << 20
+# 2-core Zen 5 VM (``benchmarks/RESULTS.md``, stops 37 and 38), cma's time over the fastest ring's:
+# - ``page_agreement.py --pages huge``, 3 launches, out of place: at 2 ranks 0.45-0.88 at
+#   256 KiB-1 MiB in every collective, 128 KiB 0.86-1.27, 32-64 KiB 1.3-2.5; at 4 ranks on 2
+#   cores 0.65-0.87 at 1 MiB, at 512 KiB 0.79-0.98 but scatter and gather 1.3, at 128-256 KiB
+#   1.1-3.9; the ranks' agreement (``comm/pages.py``) then costs a barrier, 15-20 us at 4 ranks on
+#   2 cores, so there cma pays from 2 MiB (auto 1.4-2.9x faster than the rings at 2 MiB);
+# - ``auto_vs_best.py --pages huge --mode both``, 5 launches, out of place / in place: 0.50-0.94
+#   at 2 MiB, 0.40-0.96 at 8 MiB (but scatter in place 1.11 and alltoall out of place 1.02 at 2
+#   ranks); at 32 MiB, where memory bandwidth sets both, alltoall and gather lost at 2 ranks in
+#   place (1.76 and 1.99) and alltoall at 4 (1.13), the others won or tied (0.54-1.10).
+# Above 4 ranks: not measured (no machine here has the cores).
 HUGE_UNTIL = {"alltoall": 32 << 20, "gather": 32 << 20}
 HUGE_RANKS = 4
+
+
+def huge_from(world_size: int) -> int:
+    """The smallest call for which ``auto`` runs cma where every rank's buffers are on huge pages:
+    512 KiB at 2 ranks, 2 MiB above (see the table's comment)."""
+    return 512 << 10 if world_size <= 2 else 2 << 20
+
+
+# Which of a rank's buffers its peers' system calls reach in each plan: (input, output), at the
+# root and elsewhere. The kernel pins those page by page; the caller's own side it copies as any
+# copy from user memory, whatever its pages (2 ranks, cma allgather out of place, 4 MiB: 82-84 us
+# with the outputs on huge pages whether the inputs were on huge or 4 KiB pages, 183 with the
+# outputs on 4 KiB pages; 16 MiB: 572-584 against 1045-1060).
+_REACHED = {
+    "allgather": ((False, True), (False, True)),  # each rank writes its block into its peers' outputs
+    "alltoall": ((False, True), (False, True)),  # (in place: the same buffer, swapped)
+    "gather": ((False, True), (False, False)),  # into the root's output
+    "scatter": ((True, False), (False, False)),  # from the root's input
+    "broadcast": ((True, True), (False, True)),  # from the root's input, into every output
+    "allreduce": ((True, True), (True, True)),
+    "reduce_scatter": ((True, False), (True, False)),
+}
+
+
+def reached(collective: str, at_root: bool) -> tuple[bool, bool]:
+    """(input, output): whether peers read or write this rank's input and output in this
+    collective's cma plan (``at_root``: this rank is the root; unrooted collectives ignore it)."""
+    at, elsewhere = _REACHED[collective]
+    return at if at_root else elsewhere
 
 
 def _on_huge_pages(query: Query, size: int) -> bool:
@@ -153,7 +186,7 @@ def _on_huge_pages(query: Query, size: int) -> bool:
     return (
         bool(query.huge_pages)
         and query.world_size <= HUGE_RANKS
-        and HUGE_FROM <= size < HUGE_UNTIL.get(query.collective, 1 << 62)
+        and huge_from(query.world_size) <= size < HUGE_UNTIL.get(query.collective, 1 << 62)
     )
 
 

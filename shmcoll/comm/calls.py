@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from shmcoll import collectives
+from shmcoll.algos import cma as cma_plans
 from shmcoll.algos import registry
 from shmcoll.algos.registry import ALGORITHM_NAMES, Query
 from shmcoll.algos.select import choose
@@ -55,8 +56,9 @@ class Call:
 
     ``huge`` is set where ``auto``'s choice depends on the page size of the ranks' buffers: the
     call shape every rank runs instead when all of them are on huge pages (the ranks agree on it
-    before each call: :mod:`shmcoll.comm.pages`), and ``seen`` is what this rank's buffers were
-    at its last call.
+    before each call: :mod:`shmcoll.comm.pages`), ``reached`` which of this rank's buffers the
+    peers reach in that plan (input, output), and ``seen`` what this rank's buffers were at its
+    last call.
 
     ``engine_dtype`` is what the engine moves and reduces (bool as uint8, float16 and bfloat16 as
     float32 when it reduces, else as uint16); ``widened`` marks a float16 or bfloat16 reduction,
@@ -90,6 +92,7 @@ class Call:
         "fill",
         "finish",
         "huge",
+        "reached",
         "seen",
     )
 
@@ -137,6 +140,7 @@ class Call:
         # Where auto's choice hinges on the pages of the ranks' buffers (comm.pages): the call shape
         # to run instead when every rank's are on huge pages, and what this rank's were last time.
         self.huge: Call | None = None
+        self.reached = (True, True)  # which of this rank's buffers the huge plan's peers reach (in, out)
         self.seen: Any = None
 
 
@@ -262,6 +266,7 @@ def prepare(
         if huge_alg is not None and huge_alg.name != alg.name:
             call = build(alg)
             call.huge = build(huge_alg)
+            call.reached = cma_plans.reached(kind, rt.rank == root)
             return call
     return build(alg)
 

@@ -248,6 +248,21 @@ def fail_mismatch(rt: Runtime, call: Call, peer: int, their_seq: int, their_sig:
     raise CollectiveMismatchError(msg)
 
 
+def fail_mismatch_at_entry(rt: Runtime, call: Call, peer: int, their_sig: int) -> None:
+    """A mismatch seen before the call started (``comm.pages``: this rank waits for its peers'
+    pages while ``peer`` is already in another call of the same number)."""
+    seq = next_seq(rt, call)
+    theirs = ir.describe_sig(their_sig, ALGORITHM_NAMES)
+    msg = (
+        f"rank {rt._rank} called {call.label} (call #{seq}) but rank {peer} called {theirs} (call #{seq}); "
+        f"detected before the call's first step: ranks must call the same collectives, in the same order, "
+        f"with the same sizes, dtypes, ops and roots"
+    )
+    rt._arena.abort(rt._rank, layout.ABORT_MISMATCH, peer, seq, their_sig, 0, call.sig, seq)
+    rt._broken = msg
+    raise CollectiveMismatchError(msg)
+
+
 def fail_aborted(rt: Runtime, call: Call) -> None:
     info = rt._arena.abort_info()
     deadline = time.monotonic() + 1.0

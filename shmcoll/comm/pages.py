@@ -2,38 +2,51 @@
 
 Cross-memory attach (``cma``) copies about twice as fast from a peer's huge pages as from its
 4 KiB pages, and beats the rings by up to 2x from 2 MiB there while it loses to them on 4 KiB
-pages (``shm/pages.py``, ``algos/cma.py``: ``HUGE_FROM``). Which pages a numpy buffer has is up to
+pages (``shm/pages.py``; ``algos/cma.py``: ``huge_from``). Which pages a numpy buffer has is up to
 numpy's allocator and the process's history, and each rank sees only its own. So a call shape
-whose automatic choice differs by page size (``Call.huge``, made by ``calls.prepare``) runs two
-steps at every call:
+whose automatic choice differs by page size (``Call.huge``, made by ``calls.prepare``) decides at
+every call, before it starts:
 
-1. each rank looks at its buffers: "huge" where at least half of their bytes are on huge pages
-   (``shm.pages.huge_share``; the share is remembered per buffer once all of it is present, and
-   per call shape for the arrays of its last call, so a loop over the same arrays asks the kernel
-   once);
-2. the ranks agree: a MIN over one int32 (an allreduce of the ``direct`` algorithm on the
-   runtime's own one-element buffer, made through the run loop, so that the remembered calls and
-   the lean path of the program's own allreduce are left alone). Every rank then runs the huge
-   plan, or every rank the other one.
+1. each rank looks at the buffers its peers will reach (``Call.reached``: the kernel pins a
+   peer's pages, and copies on the caller's side from any): "huge" where at least half of their
+   bytes are on huge pages (``shm.pages.huge_share``; remembered per buffer once all of it is
+   present, and per call shape for the arrays of its last call, so a loop over the same arrays
+   asks the kernel once);
+2. it publishes that in its rank record (``layout.R_PAGES``: ``2k + 1`` for huge at its ``k``-th
+   such call, ``2k`` for not);
+3. a rank whose buffers are not on huge pages runs the other plan at once: the answer cannot be
+   "every rank". A rank whose buffers are waits for every peer's word of call ``k`` and runs the
+   huge-page plan only where all are ``2k + 1``.
 
-It costs one small collective per call, only for these call shapes: at 2 MiB and up, where a
-call takes tens of microseconds or more (measured in ``benchmarks/RESULTS.md``, stop 38). Where
-the kernel has no ``PAGEMAP_SCAN`` (before Linux 6.7) no call shape is page-aware and ``auto``
+Every rank runs the same plan: a rank that reads ``2k`` from a peer, or a word beyond call ``k``,
+runs the other plan, and so did that peer (a peer cannot finish the huge-page plan, whose syncs
+wait for every rank, before this rank has decided). So on 4 KiB pages, the common case, no rank
+waits for another: the choice costs a look at the buffers and one store. (It was first an
+allreduce of one int32 before each call: that synchronised the ranks, and the calls lost the
+overlap of one call's end with the next one's start, 3-8% at 2-8 MiB on the 2-core VM.) On huge
+pages the ranks wait for each other here instead of at the plan's first sync.
+
+A rank that waits does so as a call's steps do (``engine.cpu.wait_words``: spin, yield, then
+sleep on the word's futex, which ``publish_word`` wakes), and between time slices checks what
+the run loop checks while a call waits: the abort word, lost peers, a peer already in another
+call of this number (a mismatch), the deadline. Where the
+kernel has no ``PAGEMAP_SCAN`` (before Linux 6.7) no call shape is page-aware and ``auto``
 decides as before.
 """
 
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Any
 
 import numpy as np
 
-from shmcoll.comm.calls import Bound, Call
-from shmcoll.shm import pages
-from shmcoll.types import ReduceOp
-
-_INT32 = np.dtype(np.int32)
+from shmcoll.comm import failures
+from shmcoll.comm.calls import Bound
+from shmcoll.engine import cpu as engine
+from shmcoll.errors import ShmcollError
+from shmcoll.shm import layout, pages
 
 
 def _ref(a: Any) -> Any:
@@ -45,22 +58,28 @@ def _same(ref: Any, a: Any) -> bool:
 
 
 def local_huge(b: Bound) -> bool:
-    """Whether this rank's buffers of the bound call ``b`` are mostly on huge pages (copies in
-    scratch, made for read-only inputs, are not: the engine arrays are then made later)."""
+    """Whether this rank's buffers that its peers reach in the huge-page plan (``Call.reached``)
+    are mostly on huge pages: the kernel pins those page by page, while this rank's own side of
+    a copy is an ordinary one. True where peers reach none (a scatter's or a gather's non-root);
+    False for a call whose engine arrays are made later (copies in scratch for a read-only input)."""
     call, inp, res, _, out, _, x = b
     seen = call.seen
     if seen is not None and _same(seen[0], x) and _same(seen[1], out):
         return seen[2]  # type: ignore[no-any-return]
     if inp is None:
         return False
-    huge = total = 0
+    reach_in, reach_out = call.reached
+    arrays = [a for a, reached in ((inp, reach_in), (res, reach_out)) if reached and a.size]
+    if len(arrays) == 2 and res is inp:
+        arrays.pop()
+    huge = total = 0.0
     settled = True
-    for a in (inp,) if res is inp or res.size == 0 else (inp, res) if inp.size else (res,):
-        share, final = pages.huge_share(a.ctypes.data, a.nbytes)
+    for a in arrays:
+        share, final = pages.huge_share(a)
         huge += share * a.nbytes
         total += a.nbytes
         settled = settled and final
-    on_huge = total > 0 and 2 * huge >= total
+    on_huge = 2 * huge >= total
     if settled:  # (pages not yet touched are looked at again next time)
         try:
             call.seen = (_ref(x), _ref(out), on_huge)
@@ -69,16 +88,72 @@ def local_huge(b: Bound) -> bool:
     return on_huge
 
 
-def agreed(rt: Any, b: Bound, timeout: float | None) -> Bound:
+def agreed(rt: Any, b: Bound, limit: float) -> Bound:
     """``b``, or ``b`` with its call shape's huge-page plan where every rank's buffers are on huge
-    pages; one MIN over the ranks decides (see the module doc)."""
-    flag = rt._pages_flag
-    if flag is None:
-        flag = rt._pages_flag = np.zeros(1, _INT32)
-    flag[0] = 1 if local_huge(b) else 0
-    agree = rt._shape(("pages",), "allreduce", _INT32, 1, op=ReduceOp.MIN, algorithm="direct")
-    rt._run((agree, flag, flag, None, flag, None, flag), timeout, True)
-    call: Call = b[0]
-    if flag[0]:
-        return (call.huge, *b[1:])
+    pages (see the module doc); ``limit``: seconds this rank may wait for its peers."""
+    words = rt._pages_words
+    if words is None:
+        words = rt._pages_words = _words(rt)
+    k = rt._pages_calls = rt._pages_calls + 1
+    huge = local_huge(b)
+    engine.publish_word(rt._ctrl, words[0][0], 2 * k + int(huge), words[0][1])
+    if huge and _every_peer_huge(rt, b, words[1], k, limit):
+        return (b[0].huge, *b[1:])
     return b
+
+
+def _words(rt: Any) -> tuple[tuple[int, int], np.ndarray]:
+    """(this rank's word and its waiters' word, the peers' words, waiters' words and ranks as an
+    array of three rows)."""
+    lay, me = rt._arena.layout, rt._rank
+    peers = [p for p in range(rt._world_size) if p != me]
+    rows = [
+        [lay.rank_word(p, layout.R_PAGES) for p in peers],
+        [lay.rank_word(p, layout.R_PAGES_WAITERS) for p in peers],
+        peers,
+    ]
+    return (lay.rank_word(me, layout.R_PAGES), lay.rank_word(me, layout.R_PAGES_WAITERS)), np.array(rows, np.int64)
+
+
+def _every_peer_huge(rt: Any, b: Bound, peers: np.ndarray, k: int, limit: float) -> bool:
+    """Wait for every peer's word of call ``k`` (or for one that says no): True where each says
+    huge pages."""
+    ctrl, state = rt._ctrl, rt._state
+    start = last = time.monotonic()
+    try:
+        while True:
+            st = engine.wait_words(ctrl, peers[0], peers[1], peers[2], 2 * k, 2 * k + 1, state)
+            if st == engine.OK:
+                return all(int(ctrl[w]) == 2 * k + 1 for w in peers[0])
+            if st == engine.ABORTED:
+                failures.fail_aborted(rt, b[0])
+            now = time.monotonic()
+            if failures.compiling_peer(rt) is not None:
+                start += now - last  # a peer compiling kernels is late, not stuck
+            last = now
+            _check(rt, b, int(state[engine.S_WAIT_PEER]), now - start, limit)
+    except ShmcollError:
+        raise
+    except BaseException as exc:  # KeyboardInterrupt: peers on 4 KiB pages have gone on into the call
+        rt._broken = f"rank {rt._rank} was interrupted before {b[0].label} ({type(exc).__name__})"
+        rt._arena.abort(rt._rank, layout.ABORT_ERROR, -1, failures.next_seq(rt, b[0]), b[0].sig, 0)
+        raise
+
+
+def _check(rt: Any, b: Bound, peer: int, waited: float, limit: float) -> None:
+    """What the run loop checks while a call waits, for a call not yet started that waits for
+    ``peer``'s word (``failures`` raises)."""
+    call = b[0]
+    if rt._arena.word(layout.AB_CODE) != 0:
+        failures.fail_aborted(rt, call)
+    lost = failures.lost_peer(rt)
+    if lost is not None:
+        failures.fail_peer_lost(rt, call, *lost)
+    a = rt._arena
+    if 0 <= peer < rt._world_size and a.rank_field(peer, layout.R_STATE) == layout.STATE_IN_CALL:
+        their_seq = a.rank_field(peer, layout.R_CUR_SEQ)
+        # In this call's number without having said its pages for it: another call.
+        if their_seq == failures.next_seq(rt, call) and a.rank_field(peer, layout.R_PAGES) < 2 * rt._pages_calls:
+            failures.fail_mismatch_at_entry(rt, call, peer, a.rank_field(peer, layout.R_CUR_SIG))
+    if waited > limit:
+        failures.fail_timeout(rt, call, limit)

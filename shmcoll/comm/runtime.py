@@ -133,7 +133,8 @@ class Runtime:
         self._groups: int | None = None
         self._groups_agreed = False
         self._cma_crossover: int | None = None  # agreed by the ranks (calls.cma_crossover), once needed
-        self._pages_flag: np.ndarray | None = None  # what comm.pages.agreed agrees on
+        self._pages_calls = 0  # calls whose choice hinged on the ranks' pages (comm.pages)
+        self._pages_words: Any = None  # the arena words comm.pages publishes and waits on
         self._progress: Queue | None = None  # started operations (created by the first one)
         self._p2p: Any = None  # point-to-point state (comm.p2p, created by the first message)
         self._mem_total = psutil.virtual_memory().total
@@ -367,7 +368,7 @@ class Runtime:
             self._check_usable()
         limit = self._timeout if timeout is None else config.timeout_s(timeout)
         if b[0].huge is not None:  # auto's choice hinges on the ranks' pages: they agree first
-            b = pages.agreed(self, b, timeout)
+            b = pages.agreed(self, b, limit)
         call, inp, res, result, out, _, _ = b
         if inp is None:
             handles = self._claim(call)

@@ -291,6 +291,28 @@ def _publish(ctrl, word, value, waiters):  # type: ignore[no-untyped-def]
         futex_wake(ctrl, word)
 
 
+@jit
+def publish_word(ctrl, word, value, waiters):  # type: ignore[no-untyped-def]
+    """Store ``value`` in ``ctrl[word]`` and wake whoever sleeps on it (counted in
+    ``ctrl[waiters]``): a rank's word outside the plans (``comm.pages``)."""
+    _publish(ctrl, word, value, waiters)
+
+
+@jit
+def wait_words(ctrl, words, waiters, peers, target, expected, state):  # type: ignore[no-untyped-def]
+    """Wait as a call's steps wait (spin, yield, then sleep on the futex) until ``ctrl[words[i]]
+    >= target`` for every ``i`` in turn, or until one of them is there with a value other than
+    ``expected`` (the answer is then known). OK, or ABORTED, or WAITING after a time slice (the
+    caller checks the deadline and its peers, and calls again)."""
+    for i in range(words.size):
+        st = _wait(ctrl, words[i], words[i], target, waiters[i], state, peers[i], -1)
+        if st != OK:
+            return st
+        if load_acquire(ctrl, words[i]) != expected:
+            return OK
+    return OK
+
+
 @jit(**NO_REFCOUNTS)  # (it returns an array to _step, which counts none)
 def _pick(which, inp, out, tmp):  # type: ignore[no-untyped-def]
     kind = which & 3
@@ -703,8 +725,8 @@ def new_state(layout, rank: int, *, spin_ns: int, yields: int, sleep_ns: int, sl
 
 def warm(dtypes) -> None:  # type: ignore[no-untyped-def]
     """Compile (or load from the cache) the engine for each engine dtype, before ranks start,
-    and the bfloat16 conversions that a bfloat16 reduction runs around it (a read-only input
-    is its own signature)."""
+    the bfloat16 conversions that a bfloat16 reduction runs around it (a read-only input is its
+    own signature), and the page-aware calls' publish and wait (``comm.pages``)."""
     from numba import types
     from numba.np.numpy_support import from_dtype
 
@@ -713,6 +735,8 @@ def warm(dtypes) -> None:  # type: ignore[no-untyped-def]
         arr = types.Array(from_dtype(dt), 1, "C")
         execute.compile((words, arr, arr))
     u16, u32, i64 = types.Array(types.uint16, 1, "C"), types.Array(types.uint32, 1, "C"), types.int64
+    publish_word.compile((words, i64, i64, i64))  # (comm.pages)
+    wait_words.compile((words, words, words, words, i64, i64, words))
     for src in (u16, u16.copy(readonly=True)):
         widen_bfloat16.compile((u32, i64, src, i64, i64))
     narrow_bfloat16.compile((u16, i64, u32, i64, i64))

@@ -126,6 +126,10 @@ R_WAIT_PEER = WORDS_PER_LINE  # the peer a waiting call waits for (-1: none), on
 R_IN_ADDR = WORDS_PER_LINE + 1
 R_OUT_ADDR = WORDS_PER_LINE + 2
 R_COMPILING = WORDS_PER_LINE + 3  # 1 while the rank compiles kernels (its peers' waits do not time out)
+# 2k + 1 where the rank's buffers were on huge pages at its k-th call whose choice hinges on pages,
+# 2k where not (comm.pages); 0: none yet. (A word 6 left zero: nothing moved, the version stays.)
+R_PAGES = WORDS_PER_LINE + 4
+R_PAGES_WAITERS = WORDS_PER_LINE + 5  # ranks sleeping on R_PAGES (its futex)
 # Rank states.
 STATE_IDLE, STATE_IN_CALL, STATE_FAILED, STATE_EXITED = range(4)
 # Abort codes: why a communicator is broken (0: it is not).

@@ -24,6 +24,8 @@ import mmap
 import os
 import re
 import threading
+import weakref
+from typing import Any
 
 import numpy as np
 
@@ -39,8 +41,9 @@ def array(shape: int | tuple[int, ...], dtype: np.dtype | type, pages: str = "nu
 
     ``"small"``: a private anonymous mapping that refuses huge pages (``MADV_NOHUGEPAGE``), so
     4 KiB pages whatever the system's setting. ``"huge"``: a mapping that asks for them
-    (``MADV_HUGEPAGE``) with the array starting on a 2 MiB boundary, so every whole 2 MiB of it
-    can have one where the system grants them (not where transparent huge pages are ``never``;
+    (``MADV_HUGEPAGE``) with the array starting on a 2 MiB boundary and the mapping going on to
+    the next one past its end, so every 2 MiB it touches can have one (a smaller array too) where
+    the system grants them (not where transparent huge pages are ``never``;
     :func:`huge_bytes` says what it got, once touched). ``"numpy"``: ``np.empty``."""
     if pages not in PAGES:
         raise ValueError(f"pages must be one of {', '.join(PAGES)}, not {pages!r}")
@@ -50,7 +53,9 @@ def array(shape: int | tuple[int, ...], dtype: np.dtype | type, pages: str = "nu
     dims = (shape,) if isinstance(shape, int) else tuple(shape)
     nbytes = math.prod(dims) * dt.itemsize
     huge = pages == "huge"
-    mapping = mmap.mmap(-1, nbytes + (HUGE_BYTES if huge else 0) or 1, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # (huge: whole huge pages past an aligned start, so that a buffer under 2 MiB has one too)
+    size = -(-nbytes // HUGE_BYTES) * HUGE_BYTES + HUGE_BYTES if huge else nbytes
+    mapping = mmap.mmap(-1, size or 1, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     advice = getattr(mmap, "MADV_HUGEPAGE" if huge else "MADV_NOHUGEPAGE", None)
     if advice is not None:
         mapping.madvise(advice)
@@ -177,7 +182,8 @@ class _Scanner:
 
 
 _scanner: _Scanner | None = None
-_SHARES: dict[tuple[int, int], float] = {}
+# (address, size) -> (a weak reference to the object that owns the memory, or None, share)
+_SHARES: dict[tuple[int, int], tuple[Any, float]] = {}
 _SHARES_MAX = 256  # buffers remembered; a program with more starts over
 
 
@@ -196,18 +202,35 @@ def can_scan() -> bool:
     return scanner().ok
 
 
-def huge_share(address: int, nbytes: int) -> tuple[float, bool]:
-    """(share of ``[address, address + nbytes)`` on huge pages now, whether that is settled);
-    (0.0, True) where it cannot be read. Settled, and remembered per (address, size), once every
-    page is present: then only the kernel's background collapse, or a buffer freed and another
-    mapped in its place, could change it, and a stale answer costs speed, never correctness. A
-    buffer not yet touched all over is looked at again at its next call."""
+def _owner(a: np.ndarray) -> Any:
+    """A weak reference to the object that owns ``a``'s memory (the end of its chain of bases),
+    or None where it takes none."""
+    owner: Any = a
+    while isinstance(owner, np.ndarray) and owner.base is not None:
+        owner = owner.base
+    try:
+        return weakref.ref(owner)
+    except TypeError:
+        return None
+
+
+def huge_share(a: np.ndarray) -> tuple[float, bool]:
+    """(share of ``a``'s memory on huge pages now, whether that is settled); (0.0, True) where
+    it cannot be read. Settled, and remembered per buffer, once every page is present: then only
+    the kernel's background collapse could change it (a stale answer costs speed, never
+    correctness). Remembered by address and size, and by the object that owns the memory where
+    it takes a weak reference, so that another buffer mapped where a freed one was (the common
+    case for same-sized arrays) is looked at anew. A buffer not yet touched all over is looked at
+    again at its next call."""
+    nbytes = a.nbytes
     if nbytes <= 0:
         return 0.0, True
+    address = a.ctypes.data
     key = (address, nbytes)
-    share = _SHARES.get(key)
-    if share is not None:
-        return share, True
+    owner = _owner(a)
+    known = _SHARES.get(key)
+    if known is not None and (known[0] is None or (owner is not None and known[0]() is owner())):
+        return known[1], True
     s = scanner()
     got = s.scan(address, nbytes) if s.ok else None
     if got is None:
@@ -219,5 +242,5 @@ def huge_share(address: int, nbytes: int) -> tuple[float, bool]:
         return share, False
     if len(_SHARES) >= _SHARES_MAX:
         _SHARES.clear()
-    _SHARES[key] = share
+    _SHARES[key] = (owner, share)
     return share, True

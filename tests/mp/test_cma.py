@@ -200,8 +200,11 @@ def test_auto_runs_cma_where_every_rank_is_on_huge_pages() -> None:
         for n in (2, 3, 4):
             assert decided(collective, 2 << 20, True, n) == ("cma", "pages"), (collective, n)
             assert decided(collective, 8 << 20, True, n) == ("cma", "pages"), (collective, n)
-            assert decided(collective, 1 << 20, True, n)[1] != "pages", (collective, n)  # (the rings' cache)
             assert decided(collective, 2 << 20, False, n)[0] != "cma", (collective, n)  # the race: never
+        # from 512 KiB at 2 ranks; from 2 MiB above, where the ranks' agreement costs a barrier
+        assert decided(collective, 512 << 10, True) == ("cma", "pages"), collective
+        assert decided(collective, 256 << 10, True)[1] != "pages", collective  # (the rings' cache)
+        assert decided(collective, 1 << 20, True, n=4)[1] != "pages", collective
         assert decided(collective, 2 << 20, True, n=8)[1] != "pages", collective  # not measured above 4
         big = decided(collective, 32 << 20, True)
         assert (big[1] == "pages") == (collective not in ("alltoall", "gather")), (collective, big)

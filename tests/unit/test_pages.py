@@ -46,15 +46,15 @@ thp = pytest.mark.skipif(pages.thp_setting() not in ("always", "madvise"), reaso
 def test_the_scan_tells_4k_pages_from_huge_ones_and_agrees_with_smaps() -> None:
     small = pages.array(4 << 20, np.uint8, "small")
     small[:] = 1
-    assert pages.huge_share(small.ctypes.data, small.nbytes) == (0.0, True)
+    assert pages.huge_share(small) == (0.0, True)
     view = small[12345:]  # (not page-aligned)
-    assert pages.huge_share(view.ctypes.data, view.nbytes) == (0.0, True)
+    assert pages.huge_share(view) == (0.0, True)
     if pages.thp_setting() in ("always", "madvise"):
         huge = pages.array(6 << 20, np.uint8, "huge")
         huge[:] = 1
-        share, settled = pages.huge_share(huge.ctypes.data, huge.nbytes)
+        share, settled = pages.huge_share(huge)
         assert settled and share == pages.huge_bytes(huge) / huge.nbytes > 0
-    assert pages.huge_share(0, 0) == (0.0, True)
+    assert pages.huge_share(np.empty(0, np.uint8)) == (0.0, True)
 
 
 @scans
@@ -63,12 +63,24 @@ def test_pages_not_yet_touched_are_looked_at_again() -> None:
     """A fresh buffer has no pages yet: not huge, and not remembered as such, so the first call
     on an output it allocates does not settle the answer for the calls after it."""
     huge = pages.array(4 << 20, np.uint8, "huge")
-    assert pages.huge_share(huge.ctypes.data, huge.nbytes) == (0.0, False)
+    assert pages.huge_share(huge) == (0.0, False)
     huge[: 2 << 20] = 1
-    assert pages.huge_share(huge.ctypes.data, huge.nbytes) == (0.5, False)
+    assert pages.huge_share(huge) == (0.5, False)
     huge[:] = 1
-    assert pages.huge_share(huge.ctypes.data, huge.nbytes) == (1.0, True)
-    # remembered once settled: the same (address, size) is not scanned again
-    pages._SHARES[(huge.ctypes.data, huge.nbytes)] = 0.25
-    assert pages.huge_share(huge.ctypes.data, huge.nbytes) == (0.25, True)
+    assert pages.huge_share(huge) == (1.0, True)
+    # remembered once settled: the same buffer is not scanned again ...
+    key = (huge.ctypes.data, huge.nbytes)
+    pages._SHARES[key] = (pages._SHARES[key][0], 0.25)
+    assert pages.huge_share(huge) == (0.25, True)
+    # ... but another one mapped where it was is (mmap gives a freed range out again)
+    owner = pages._SHARES[key][0]
+    del huge
+    assert owner() is None
+    for _ in range(8):
+        small = pages.array(4 << 20, np.uint8, "small")
+        small[:] = 1
+        if (small.ctypes.data, small.nbytes) == key:
+            assert pages._SHARES[key][1] == 0.25  # (the old answer is still there)
+            assert pages.huge_share(small) == (0.0, True)
+            break
     pages._SHARES.clear()
