@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 import shmcoll
+from shmcoll.collectives import KIND_CODE
 from shmcoll.shm import pages
 from shmcoll.units import format_size, parse_size
 
@@ -92,6 +93,7 @@ def _worker(comm, collectives: list[str], sizes: list[int], kinds: list[str], ca
                 run("auto")
                 call = _shape(comm, collective, nbytes)
                 huge = call.huge
+                code = KIND_CODE[collective]
                 cases = ("auto", "unaware", "cma") if comm.world_size > 1 else ("auto", "unaware")
                 times: dict[str, list[float]] = {name: [] for name in cases}
                 for block in range(-1, blocks):  # (block -1 warms plans and pages)
@@ -99,6 +101,9 @@ def _worker(comm, collectives: list[str], sizes: list[int], kinds: list[str], ca
                     # another algorithm's finds the caches as that one left them.
                     for name in (cases[1], cases[0], *cases[2:]) if block % 2 else cases:
                         call.huge = None if name == "unaware" else huge
+                        # (and the call bound anew: a call remembered while detached would take
+                        # the lean path, which a call shape with a huge-page plan never does)
+                        comm._memo[code] = comm._lean[code] = None
                         algorithm = "cma" if name == "cma" else "auto"
                         run(algorithm)  # (twice: a call repeated takes the lean path from its second)
                         run(algorithm)

@@ -133,7 +133,7 @@ OVERSUBSCRIBED_DEFAULT = 4 << 20  # allgather; broadcast (which _broadcast_skips
 
 
 # Where every rank's buffers are on huge pages (``Query.huge_pages``), ``auto`` runs cma from
-# huge_from(n) on, up to the collective's HUGE_UNTIL, at up to HUGE_RANKS ranks. The kernel pins a
+# huge_from(n) on, up to HUGE_UNTIL, at up to HUGE_RANKS ranks. The kernel pins a
 # peer's pages one at a time before it copies, so from 4 KiB pages it copies at about half the
 # speed it reaches from 2 MiB ones, while the rings, copying with the CPU, barely notice: the race
 # of ``Query.cma_crossover`` runs on 4 KiB pages and says nothing about huge ones. Measured on the
@@ -142,20 +142,26 @@ OVERSUBSCRIBED_DEFAULT = 4 << 20  # allgather; broadcast (which _broadcast_skips
 #   256 KiB-1 MiB in every collective, 128 KiB 0.86-1.27, 32-64 KiB 1.3-2.5; at 4 ranks on 2
 #   cores 0.65-0.87 at 1 MiB, at 512 KiB 0.79-0.98 but scatter and gather 1.3, at 128-256 KiB
 #   1.1-3.9; the ranks' agreement (``comm/pages.py``) then costs a barrier, 15-20 us at 4 ranks on
-#   2 cores, so there cma pays from 2 MiB (auto 1.4-2.9x faster than the rings at 2 MiB);
+#   2 cores, and it pays from 2 MiB (auto 1.4-2.9x faster than the rings at 2 MiB);
 # - ``auto_vs_best.py --pages huge --mode both``, 5 launches, out of place / in place: 0.50-0.94
 #   at 2 MiB, 0.40-0.96 at 8 MiB (but scatter in place 1.11 and alltoall out of place 1.02 at 2
 #   ranks); at 32 MiB, where memory bandwidth sets both, alltoall and gather lost at 2 ranks in
 #   place (1.76 and 1.99) and alltoall at 4 (1.13), the others won or tied (0.54-1.10).
+# - out of place, stop 38's run (``page_agreement.py``, 3 launches): at 2 ranks alltoall lost at
+#   8 MiB (1.26; stop 37: 1.02) and 32 MiB (1.09), and at 32 MiB allgather (1.38) and broadcast
+#   (1.06) lost too.
+# So from 32 MiB (at 2 ranks alltoall from 8 MiB) the rules for unknown pages decide again.
 # Above 4 ranks: not measured (no machine here has the cores).
-HUGE_UNTIL = {"alltoall": 32 << 20, "gather": 32 << 20}
+HUGE_UNTIL = 32 << 20
 HUGE_RANKS = 4
 
 
 def huge_from(world_size: int) -> int:
     """The smallest call for which ``auto`` runs cma where every rank's buffers are on huge pages:
-    512 KiB at 2 ranks, 2 MiB above (see the table's comment)."""
-    return 512 << 10 if world_size <= 2 else 2 << 20
+    2 MiB. (At 2 ranks cma wins from 256 KiB there, but a call shape that looks at pages cannot
+    take the lean path of a call made again (``comm.bind``), which buffers up to 1 MiB take: at
+    512 KiB on 4 KiB pages that cost 1.2-1.9 us of a 7-14 us call.)"""
+    return 2 << 20
 
 
 # Which of a rank's buffers its peers' system calls reach in each plan: (input, output), at the
@@ -183,11 +189,9 @@ def reached(collective: str, at_root: bool) -> tuple[bool, bool]:
 
 def _on_huge_pages(query: Query, size: int) -> bool:
     """``Algorithm.auto_huge``: where cma is taken because every rank's buffers are on huge pages."""
-    return (
-        bool(query.huge_pages)
-        and query.world_size <= HUGE_RANKS
-        and huge_from(query.world_size) <= size < HUGE_UNTIL.get(query.collective, 1 << 62)
-    )
+    n = query.world_size
+    until = 8 << 20 if query.collective == "alltoall" and n <= 2 else HUGE_UNTIL
+    return bool(query.huge_pages) and n <= HUGE_RANKS and huge_from(n) <= size < until
 
 
 def _below_crossover(query: Query, size: int) -> bool:
@@ -197,10 +201,10 @@ def _below_crossover(query: Query, size: int) -> bool:
     crossover, a block being the bytes a rank moves to one peer, about ``size / n`` in every
     collective here (the reductions' chunks, the broadcast's shares). Where ranks outnumber the
     machine's cores, from the collective's :data:`OVERSUBSCRIBED_FROM` on at the latest, unless
-    the ranks agreed on their buffers' pages (``Query.huge_pages`` not None): that table was
-    measured on buffers of either page size, and on 4 KiB pages cma lost to the rings at every
-    size there (4 ranks, 1.07-5.84x; stop 37). Never where :func:`_on_huge_pages` holds. Not
-    measured (0): the sizes of ``auto_from`` alone decide.
+    the ranks agreed that their buffers are not all on huge pages (``Query.huge_pages`` False):
+    that table was measured on buffers of either page size, and on 4 KiB pages cma lost to the
+    rings at every size there (4 ranks, 1.07-5.84x; stop 37). Never where :func:`_on_huge_pages`
+    holds. Not measured (0): the sizes of ``auto_from`` alone decide.
 
     The race decides this rather than a fixed size, because where the kernel loses differs by
     machine more than any one figure can say (see ``shm/cma.py``): on the Zen 5 VM, at 2 ranks,
@@ -216,7 +220,7 @@ def _below_crossover(query: Query, size: int) -> bool:
     if crossover <= 0:
         return False
     start = query.world_size * crossover
-    if query.cores and query.world_size > query.cores and query.huge_pages is None:
+    if query.cores and query.world_size > query.cores and query.huge_pages is not False:
         start = min(start, OVERSUBSCRIBED_FROM.get(query.collective, OVERSUBSCRIBED_DEFAULT))
     return size < start
 
