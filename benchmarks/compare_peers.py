@@ -509,6 +509,11 @@ _CALL_LINE = re.compile(
     r"\] (?P<collective>\w+)\(count=(?P<count>\d+), float32\b[^)]*\): algorithm (?P<algorithm>\w+),"
 )
 _RACE_LINE = re.compile(r"\] cross-memory attach: (?P<race>.*)$")
+# A call shape whose choice hinges on the ranks' pages says which plan the ranks agreed on, when
+# it changes (``comm/pages.py``): that one ran, not the last one built.
+_PAGES_LINE = re.compile(
+    r"\] (?P<collective>\w+)\(count=(?P<count>\d+), float32\b[^)]*\): pages: .*: algorithm (?P<algorithm>\w+)$"
+)
 
 
 class _AutoLog(logging.Handler):
@@ -532,7 +537,7 @@ class _AutoLog(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         msg = record.getMessage()
-        if _CALL_LINE.search(msg) or _RACE_LINE.search(msg):
+        if _CALL_LINE.search(msg) or _RACE_LINE.search(msg) or _PAGES_LINE.search(msg):
             self.lines.append(msg)
 
     def send(self) -> None:
@@ -1192,7 +1197,7 @@ def auto_choices(comp: Comparison) -> list[str]:
             said = _RACE_LINE.search(line)
             if said:
                 race = _race_words(said.group("race"))
-            call = _CALL_LINE.search(line)
+            call = _CALL_LINE.search(line) or _PAGES_LINE.search(line)
             if call and call.group("collective") == key[0]:
                 size = int(call.group("count")) * 4 * (key[1] if key[0] in BLOCKED else 1)
                 if size in measured.get(key, ()):

@@ -437,6 +437,31 @@ def test_what_auto_ran_per_round_is_reported() -> None:
     assert cp.auto_choices(cp.Comparison(["shmcoll"], ms, runs[2:], {})) == []
 
 
+def test_what_auto_ran_follows_the_pages_the_ranks_agreed_on() -> None:
+    """A call shape whose choice hinges on pages builds two plans and logs both; the plan the ranks
+    agreed on (``comm/pages.py``'s line, when it changes) is the one reported."""
+    M = cp.Measurement
+    ms = [M("shmcoll", 0, _row("allgather", 2, s, 1.0)) for s in (2 << 20, 4 << 20)]
+    rings = "[rank 0] cross-memory attach: two cores exchange blocks of up to 4M faster through the rings (auto ...)"
+
+    def built(count: int, algorithm: str) -> str:
+        return f"[rank 0] allgather(count={count}, float32, algorithm={algorithm}): algorithm {algorithm}, 1 piece(s)"
+
+    def agreed(count: int, every: bool, algorithm: str) -> str:
+        label = f"allgather(count={count}, float32, algorithm=direct)"
+        said = f"{'' if every else 'not '}every rank's buffers are on huge pages"
+        return f"[rank 0] {label}: pages: {said}: algorithm {algorithm}"
+
+    lines = [rings, built(262144, "direct"), built(262144, "cma"), agreed(262144, False, "direct")]
+    lines += [built(524288, "direct"), built(524288, "cma"), agreed(524288, True, "cma")]
+    run = {"library": "shmcoll", "world_size": 2, "collective": "allgather", "round": 0, "status": "ok", "auto": lines}
+    assert cp.auto_choices(cp.Comparison(["shmcoll"], ms, [run], {})) == [
+        "allgather, 2 ranks (round): race: the rings won up to 4M; 2 MiB direct, 4 MiB cma"
+    ]
+    assert all(cp._PAGES_LINE.search(ln) for ln in (lines[3], lines[6]))
+    assert not cp._CALL_LINE.search(lines[3])
+
+
 def test_text_table() -> None:
     text = cp.format_text(_comparison())
     lines = text.splitlines()

@@ -147,12 +147,12 @@ OVERSUBSCRIBED_DEFAULT = 4 << 20  # allgather; broadcast (which _broadcast_skips
 #   at 2 MiB, 0.40-0.96 at 8 MiB (but scatter in place 1.11 and alltoall out of place 1.02 at 2
 #   ranks); at 32 MiB, where memory bandwidth sets both, alltoall and gather lost at 2 ranks in
 #   place (1.76 and 1.99) and alltoall at 4 (1.13), the others won or tied (0.54-1.10).
-# - out of place, stop 38's run (``page_agreement.py``, 3 launches): at 2 ranks alltoall lost at
-#   8 MiB (1.26; stop 37: 1.02) and 32 MiB (1.09), and at 32 MiB allgather (1.38) and broadcast
-#   (1.06) lost too.
-# So from 32 MiB (at 2 ranks alltoall from 8 MiB) the rules for unknown pages decide again.
+# - out of place, stop 38 (``page_agreement.py``, 3 launches; ``shmcoll bench --pages huge``): at
+#   2 ranks alltoall lost at 8 MiB (1.26; stop 37: 1.02) and 32 MiB (1.09), allgather at 16 MiB
+#   (1.29) and 32 MiB (1.38), broadcast at 32 MiB (1.06): where the buffers outgrow the 32 MiB L3.
+# So from 16 MiB (at 2 ranks alltoall from 8 MiB) the rules for unknown pages decide again.
 # Above 4 ranks: not measured (no machine here has the cores).
-HUGE_UNTIL = 32 << 20
+HUGE_UNTIL = 16 << 20
 HUGE_RANKS = 4
 
 

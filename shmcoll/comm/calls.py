@@ -94,6 +94,7 @@ class Call:
         "huge",
         "reached",
         "seen",
+        "agreed",
     )
 
     def __init__(
@@ -142,6 +143,7 @@ class Call:
         self.huge: Call | None = None
         self.reached = (True, True)  # which of this rank's buffers the huge plan's peers reach (in, out)
         self.seen: Any = None
+        self.agreed: bool | None = None  # what the ranks agreed at the last call (logged when it changes)
 
 
 Bound = tuple

@@ -97,9 +97,18 @@ def agreed(rt: Any, b: Bound, limit: float) -> Bound:
     k = rt._pages_calls = rt._pages_calls + 1
     huge = local_huge(b)
     engine.publish_word(rt._ctrl, words[0][0], 2 * k + int(huge), words[0][1])
-    if huge and _every_peer_huge(rt, b, words[1], k, limit):
-        return (b[0].huge, *b[1:])
-    return b
+    every = huge and _every_peer_huge(rt, b, words[1], k, limit)
+    call = b[0]
+    if every is not call.agreed:
+        call.agreed = every
+        chosen = call.huge if every else call
+        rt._log.info(
+            "%s: pages: %severy rank's buffers are on huge pages: algorithm %s",
+            call.label,
+            "" if every else "not ",
+            chosen.label.rpartition("algorithm=")[2].rstrip(")"),
+        )
+    return (call.huge, *b[1:]) if every else b
 
 
 def _words(rt: Any) -> tuple[tuple[int, int], np.ndarray]:

@@ -205,8 +205,8 @@ def test_auto_runs_cma_where_every_rank_is_on_huge_pages() -> None:
         for n in (2, 4):  # (below: calls repeated with the same arrays take the lean path)
             assert decided(collective, 1 << 20, True, n)[1] != "pages", (collective, n)
         assert decided(collective, 2 << 20, True, n=8)[1] != "pages", collective  # not measured above 4
-        assert decided(collective, 16 << 20, True, n=4) == ("cma", "pages"), collective
-        assert decided(collective, 32 << 20, True)[1] != "pages", collective  # (memory bandwidth sets both)
+        assert decided(collective, 12 << 20, True, n=4) == ("cma", "pages"), collective
+        assert decided(collective, 16 << 20, True)[1] != "pages", collective  # (past the L3: memory sets both)
     # alltoall at 2 ranks: below 8 MiB (out of place, the rings won from there)
     assert decided("alltoall", 4 << 20, True) == ("cma", "pages") and decided("alltoall", 8 << 20, True)[0] != "cma"
     # From 32 MiB on huge pages, the rules for unknown pages: at 4 ranks on 2 cores, cma from the
@@ -258,6 +258,10 @@ def _by_pages(comm, kinds: list[str]) -> tuple[list[str], list[str], bool]:  # t
         return chosen
 
     agreement.agreed = spy  # type: ignore[assignment]
+    # As where the rings win the launcher's race (the 2-core VM, unloaded): auto's choice then
+    # hinges on pages. (A race run while other tests load the machine can say the kernel wins,
+    # and cma is then the choice on any pages.)
+    comm._cma_crossover = cma.NEVER
     try:
         r, n, kind = comm.rank, comm.world_size, kinds[comm.rank]
         count = (2 << 20) // 4  # 2 MiB per rank: the calls are 2-6 MiB
