@@ -147,10 +147,11 @@ OVERSUBSCRIBED_DEFAULT = 4 << 20  # allgather; broadcast (which _broadcast_skips
 #   at 2 MiB, 0.40-0.96 at 8 MiB (but scatter in place 1.11 and alltoall out of place 1.02 at 2
 #   ranks); at 32 MiB, where memory bandwidth sets both, alltoall and gather lost at 2 ranks in
 #   place (1.76 and 1.99) and alltoall at 4 (1.13), the others won or tied (0.54-1.10).
-# - out of place, stop 38 (``page_agreement.py``, 3 launches; ``shmcoll bench --pages huge``): at
-#   2 ranks alltoall lost at 8 MiB (1.26; stop 37: 1.02) and 32 MiB (1.09), allgather at 16 MiB
-#   (1.29) and 32 MiB (1.38), broadcast at 32 MiB (1.06): where the buffers outgrow the 32 MiB L3.
-# So from 16 MiB (at 2 ranks alltoall from 8 MiB) the rules for unknown pages decide again.
+# - out of place, stop 38 (``page_agreement.py --pages huge``, 3 launches, blocks from 4 MiB read
+#   from the peers: see _READ_FROM): at 2 ranks 0.52-0.94 at 4-8 MiB (reduce_scatter 0.97-0.99),
+#   and from 16 MiB, where the buffers outgrow the 32 MiB L3, allgather, alltoall, broadcast and
+#   gather lost (1.05-1.37) while scatter won (0.66-0.91) and allreduce and reduce_scatter tied.
+# So from 16 MiB the rules for unknown pages decide again.
 # Above 4 ranks: not measured (no machine here has the cores).
 HUGE_UNTIL = 16 << 20
 HUGE_RANKS = 4
@@ -180,9 +181,12 @@ _REACHED = {
 }
 
 
-def reached(collective: str, at_root: bool) -> tuple[bool, bool]:
+def reached(collective: str, at_root: bool, count: int) -> tuple[bool, bool]:
     """(input, output): whether peers read or write this rank's input and output in this
-    collective's cma plan (``at_root``: this rank is the root; unrooted collectives ignore it)."""
+    collective's cma plan for blocks of ``count`` elements (``at_root``: this rank is the root;
+    unrooted collectives ignore it)."""
+    if count >= _READ_FROM and collective in ("allgather", "alltoall"):
+        return True, False  # (read from the peers: see _READ_FROM)
     at, elsewhere = _REACHED[collective]
     return at if at_root else elsewhere
 
@@ -190,8 +194,7 @@ def reached(collective: str, at_root: bool) -> tuple[bool, bool]:
 def _on_huge_pages(query: Query, size: int) -> bool:
     """``Algorithm.auto_huge``: where cma is taken because every rank's buffers are on huge pages."""
     n = query.world_size
-    until = 8 << 20 if query.collective == "alltoall" and n <= 2 else HUGE_UNTIL
-    return bool(query.huge_pages) and n <= HUGE_RANKS and huge_from(n) <= size < until
+    return bool(query.huge_pages) and n <= HUGE_RANKS and huge_from(n) <= size < HUGE_UNTIL
 
 
 def _below_crossover(query: Query, size: int) -> bool:
@@ -297,6 +300,18 @@ def broadcast(ctx: Context) -> None:
     zerocopy.sync(ctx)
 
 
+# Blocks of this many elements and more are read from the peers instead of written into them
+# (allgather, alltoall out of place). Writing won where it was measured first (stop 27: 2 ranks
+# exchanging 1 MiB, 126-157 us against 165-167 reading), and still ties at 2-4 MiB; beyond the
+# caches reading wins, as the kernel then copies into memory this rank will read next: two
+# processes each copying 4 MiB of its own and 4 MiB of its peer's on huge pages (the 2-core
+# Zen 5 VM, 15 times each) took 275-313 us reading and 364-412 writing, 16 MiB 1003-1037 against
+# 1102-1173; ``shmcoll bench -a cma --pages huge``, write / read, out of place: alltoall 2 ranks
+# 8 MiB 383 / 258 us, allgather 16 MiB 934 / 865 and 32 MiB 2704 / 2405; 4 ranks alltoall 64 MiB
+# 13.1 / 11.8 ms; on 4 KiB pages within 5% either way.
+_READ_FROM = 1 << 20
+
+
 def _around(r: int, n: int) -> list[int]:
     """The peers rank ``r`` writes to, in order: ``r + 1``, ``r + 2``, ... around the world, so
     that no two ranks write into the same peer at once (all starting at rank 0 was measured
@@ -314,9 +329,10 @@ def _around(r: int, n: int) -> list[int]:
     auto_huge=_on_huge_pages,
 )
 def allgather(ctx: Context) -> None:
-    """Every rank copies its input into its own block, then writes it into every peer's. The own
-    copy comes before the first sync (it touches nothing a peer reads or writes), so a rank that
-    enters first copies while it waits for the others."""
+    """Every rank copies its input into its own block, then writes it into every peer's (blocks
+    from :data:`_READ_FROM` elements: reads every peer's into its own). The own copy comes before
+    the first sync (it touches nothing a peer reads or writes), so a rank that enters first
+    copies while it waits for the others."""
     n, count = ctx.world_size, ctx.count
     if not ctx.inplace:
         for r in range(n):
@@ -324,7 +340,10 @@ def allgather(ctx: Context) -> None:
     zerocopy.sync(ctx)
     for r in range(n):
         for j in _around(r, n):
-            ctx.copy(r, Region(Buf.IN, 0), Region(Buf.OUT, r * ctx.block, rank=j), count)
+            if count >= _READ_FROM:
+                ctx.copy(r, Region(Buf.IN, 0, rank=j), Region(Buf.OUT, j * ctx.block), count)
+            else:
+                ctx.copy(r, Region(Buf.IN, 0), Region(Buf.OUT, r * ctx.block, rank=j), count)
     zerocopy.sync(ctx)
 
 
@@ -360,9 +379,10 @@ def gather(ctx: Context) -> None:
     auto_huge=_on_huge_pages,
 )
 def alltoall(ctx: Context) -> None:
-    """Rank ``r`` writes block ``j`` of its input into block ``r`` of rank ``j``'s output, after
-    copying its own block before its first sync (as allgather). In place (see :func:`_swaps`)
-    the blocks are swapped pair by pair."""
+    """Rank ``r`` writes block ``j`` of its input into block ``r`` of rank ``j``'s output (blocks
+    from :data:`_READ_FROM` elements: reads block ``r`` of rank ``j``'s input into its block
+    ``j``), after copying its own block before its first sync (as allgather). In place (see
+    :func:`_swaps`) the blocks are swapped pair by pair."""
     n, count = ctx.world_size, ctx.count
     if ctx.inplace:
         _swaps(ctx)
@@ -372,7 +392,10 @@ def alltoall(ctx: Context) -> None:
     zerocopy.sync(ctx)
     for r in range(n):
         for j in _around(r, n):
-            ctx.copy(r, Region(Buf.IN, j * ctx.block), Region(Buf.OUT, r * ctx.block, rank=j), count)
+            if count >= _READ_FROM:
+                ctx.copy(r, Region(Buf.IN, r * ctx.block, rank=j), Region(Buf.OUT, j * ctx.block), count)
+            else:
+                ctx.copy(r, Region(Buf.IN, j * ctx.block), Region(Buf.OUT, r * ctx.block, rank=j), count)
     zerocopy.sync(ctx)
 
 

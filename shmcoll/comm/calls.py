@@ -268,7 +268,7 @@ def prepare(
         if huge_alg is not None and huge_alg.name != alg.name:
             call = build(alg)
             call.huge = build(huge_alg)
-            call.reached = cma_plans.reached(kind, rt.rank == root)
+            call.reached = cma_plans.reached(kind, rt.rank == root, count)
             return call
     return build(alg)
 

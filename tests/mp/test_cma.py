@@ -199,16 +199,13 @@ def test_auto_runs_cma_where_every_rank_is_on_huge_pages() -> None:
     for collective in kinds:
         for n in (2, 3, 4):
             assert decided(collective, 2 << 20, True, n) == ("cma", "pages"), (collective, n)
-            if collective != "alltoall" or n > 2:
-                assert decided(collective, 8 << 20, True, n) == ("cma", "pages"), (collective, n)
+            assert decided(collective, 8 << 20, True, n) == ("cma", "pages"), (collective, n)
             assert decided(collective, 2 << 20, False, n)[0] != "cma", (collective, n)  # the race: never
         for n in (2, 4):  # (below: calls repeated with the same arrays take the lean path)
             assert decided(collective, 1 << 20, True, n)[1] != "pages", (collective, n)
         assert decided(collective, 2 << 20, True, n=8)[1] != "pages", collective  # not measured above 4
         assert decided(collective, 12 << 20, True, n=4) == ("cma", "pages"), collective
         assert decided(collective, 16 << 20, True)[1] != "pages", collective  # (past the L3: memory sets both)
-    # alltoall at 2 ranks: below 8 MiB (out of place, the rings won from there)
-    assert decided("alltoall", 4 << 20, True) == ("cma", "pages") and decided("alltoall", 8 << 20, True)[0] != "cma"
     # From 32 MiB on huge pages, the rules for unknown pages: at 4 ranks on 2 cores, cma from the
     # collective's oversubscribed size
     assert (
@@ -320,6 +317,34 @@ def test_ranks_agree_on_their_pages_before_a_call_whose_choice_hinges_on_them(ki
         assert len(ran) == 6, ran  # allgather twice, alltoall, iallgather, broadcast_init twice
         assert all(("algorithm=cma" in label) == everywhere for label in ran), ran
     assert len({tuple(ran) for ran, _, _ in results}) == 1  # every rank ran the same plans
+
+
+def test_the_buffers_peers_reach_follow_the_plan() -> None:
+    """What a rank looks at before a page-aware call (``comm.pages``): the buffers the cma plan's
+    peers pin, which for allgather and alltoall are the outputs they write into, or from
+    ``_READ_FROM`` elements the inputs they read."""
+    from shmcoll.algos import cma as plans
+
+    big = plans._READ_FROM
+    assert plans.reached("allgather", False, 10) == (False, True) and plans.reached("allgather", False, big) == (
+        True,
+        False,
+    )
+    assert plans.reached("alltoall", False, 10) == (False, True) and plans.reached("alltoall", False, big) == (
+        True,
+        False,
+    )
+    assert plans.reached("scatter", True, big) == (True, False) and plans.reached("scatter", False, 10) == (
+        False,
+        False,
+    )
+    assert plans.reached("gather", True, big) == (False, True) and plans.reached("gather", False, big) == (False, False)
+    assert plans.reached("broadcast", True, 10) == (True, True) and plans.reached("broadcast", False, 10) == (
+        False,
+        True,
+    )
+    assert plans.reached("allreduce", False, big) == (True, True)
+    assert plans.reached("reduce_scatter", False, 10) == (True, False)
 
 
 def _without_scan(comm) -> tuple[list[bool], bool]:  # type: ignore[no-untyped-def]

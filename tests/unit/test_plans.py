@@ -262,8 +262,9 @@ def test_race_check_catches_returning_while_a_peer_reads() -> None:
 
 @pytest.mark.parametrize("collective", ["allgather", "alltoall"])
 def test_cma_writes_into_its_peers_around_the_world(collective: str) -> None:
-    # Measured (cma's module doc): writing into peers' buffers beat reading from them, and
-    # ranks that all start at rank 0 were slower than ranks that start at their neighbour.
+    # Measured (cma's module doc): writing into peers' buffers beat reading from them (below
+    # _READ_FROM elements), and ranks that all start at rank 0 were slower than ranks that start
+    # at their neighbour.
     n = 4
     for inplace in (False, True) if collective == "allgather" else (False,):  # (alltoall in place swaps)
         plan = plan_call(registry.get(collective, "cma"), n, 8, 100, inplace=inplace)
@@ -272,6 +273,27 @@ def test_cma_writes_into_its_peers_around_the_world(collective: str) -> None:
             assert all(s.a is None or s.a.rank is None for s in program)  # no reads of a peer
             owners = [s.dst.rank for s in program if s.count and s.dst is not None and s.dst.rank is not None]
             assert owners == [(rank + k) % n for k in range(1, n)]
+
+
+@pytest.mark.parametrize("collective", ["allgather", "alltoall"])
+def test_cma_reads_large_blocks_from_its_peers_around_the_world(
+    collective: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From ``_READ_FROM`` elements a block the rank needs is read from its peer (measured faster
+    beyond the caches); the plans still verify (every read after a sync that follows the peer's
+    entry, every return after a sync that follows every peer's read)."""
+    monkeypatch.setattr(cma, "_READ_FROM", 5)
+    for n in range(1, 7):
+        for count in (4, 5, 7):
+            for inplace in (False, True) if collective == "allgather" else (False,):
+                plan = plan_call(registry.get(collective, "cma"), n, count, 100, inplace=inplace)
+                verify(plan, world_size=n, count=count, inplace=inplace)
+                for rank in range(n):
+                    program = plan.tail.programs[rank]
+                    read = [s.a.rank for s in program if s.count and s.a is not None and s.a.rank is not None]
+                    written = [s.dst.rank for s in program if s.count and s.dst is not None and s.dst.rank is not None]
+                    around = [(rank + k) % n for k in range(1, n)]
+                    assert (read, written) == ((around, []) if count >= 5 else ([], around)), (n, count, rank)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
