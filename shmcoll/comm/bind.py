@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from shmcoll.collectives import KIND_CODE, Collective
-from shmcoll.comm import arrays, device, registered, tensors
+from shmcoll.comm import arrays, device, pages, registered, tensors
 from shmcoll.comm.calls import Bound, Call
 from shmcoll.comm.requests import with_trying
 from shmcoll.comm.runtime import Runtime
@@ -156,13 +156,13 @@ def _make_lean(rt: Runtime, code: int, identity: tuple[Any, ...], b: Any, eligib
     the call has work after the engine's, a trace is on, its dtype has no entry point, or the
     caller says it is not ``eligible``."""
     call = b[0]
-    enter = (
-        lean_entry(call.engine_dtype) if eligible and not call.finish and call.huge is None and not rt._trace else None
-    )
+    enter = lean_entry(call.engine_dtype) if eligible and not call.finish and not rt._trace else None
     if enter is None:
         rt._lean[code] = NOT_LEAN
         return
     record = engine.record_for(call.start, b[1], b[2])
+    if call.huge is not None:  # the ranks agree on their pages first (comm.pages)
+        enter = pages.lean(rt, b, enter, record)
     rt._lean[code] = (*identity, enter, record.ctypes.data, b, record)
 
 

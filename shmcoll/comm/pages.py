@@ -111,6 +111,26 @@ def agreed(rt: Any, b: Bound, limit: float) -> Bound:
     return (call.huge, *b[1:]) if every else b
 
 
+def lean(rt: Any, b: Bound, enter: Any, record: np.ndarray) -> Any:
+    """The lean path's entry (``comm.bind._make_lean``) for a remembered call ``b`` of a call
+    shape whose ranks agree on their pages: it agrees, then enters the engine through ``enter``
+    with ``record`` or the huge-page plan's, and carries the call to its end itself (it returns
+    OK or raises). Not for started operations: their first run must not wait (``Runtime._start``
+    leaves such calls to the run loop)."""
+    huge = engine.record_for(b[0].huge.start, b[1], b[2])
+    addresses = (record.ctypes.data, huge.ctypes.data)
+
+    def run(_address: int) -> int:
+        chosen = agreed(rt, b, rt._timeout)
+        st = enter(addresses[chosen is not b])
+        if st != engine.OK:
+            rt._wait_or_raise(st, chosen[0], b[1], b[2], rt._timeout)
+        return engine.OK  # type: ignore[no-any-return]
+
+    run.records = (record, huge)  # type: ignore[attr-defined]  # (alive as long as the entry)
+    return run
+
+
 def _words(rt: Any) -> tuple[tuple[int, int], np.ndarray]:
     """(this rank's word and its waiters' word, the peers' words, waiters' words and ranks as an
     array of three rows)."""

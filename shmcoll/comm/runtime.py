@@ -342,7 +342,7 @@ class Runtime:
         if lean is None and type(b) is tuple:
             code = KIND_CODE[b[0].kind]
             m = self._lean[code]
-            if m is not None and len(m) > 9 and m[9] is b:
+            if m is not None and len(m) > 9 and m[9] is b and b[0].huge is None:  # (see pages.lean)
                 if len(m) == 11:  # the queue's own records, made at the first start (not every
                     # blocking call that is remembered starts too)
                     m = self._lean[code] = (*m, with_trying((m[7], m[8], m[10]), b))

@@ -197,8 +197,10 @@ def test_auto_runs_cma_where_every_rank_is_on_huge_pages() -> None:
 
     kinds = ("allgather", "alltoall", "gather", "scatter", "reduce_scatter", "allreduce", "broadcast")
     for collective in kinds:
+        start = 4 << 20 if collective in ("gather", "scatter") else 2 << 20  # (their non-roots wait)
         for n in (2, 3, 4):
-            assert decided(collective, 2 << 20, True, n) == ("cma", "pages"), (collective, n)
+            assert decided(collective, start, True, n) == ("cma", "pages"), (collective, n)
+            assert decided(collective, start // 2, True, n)[1] != "pages", (collective, n)
             assert decided(collective, 8 << 20, True, n) == ("cma", "pages"), (collective, n)
             assert decided(collective, 2 << 20, False, n)[0] != "cma", (collective, n)  # the race: never
         for n in (2, 4):  # (below: calls repeated with the same arrays take the lean path)
@@ -293,6 +295,24 @@ def _by_pages(comm, kinds: list[str]) -> tuple[list[str], list[str], bool]:  # t
             req.wait()
             if not (b == value).all():
                 bad.append("broadcast_init")
+        # gather of 1 MiB per rank, made again: at 4 ranks (4 MiB) a non-root's call is
+        # remembered (its buffer is small) and takes the lean path, which agrees on pages too;
+        # then its i-form
+        small = pages.array((1 << 20) // 4, np.float32, kind)
+        small[...] = r
+        whole = pages.array((n, (1 << 20) // 4), np.float32, kind) if r == 0 else None
+        if whole is not None:
+            whole[...] = -1  # (pages not yet touched are none: the first call would run the rings)
+        for _ in range(3):
+            got = comm.gather(small, root=0, out=whole)
+            if r == 0 and not all((got[j] == j).all() for j in range(n)):
+                bad.append("gather")
+        m = comm._lean[collectives.get("gather").code]
+        if r != 0 and n >= 4 and not (len(m) > 7 and hasattr(m[7], "records")):  # (from 4 MiB)
+            bad.append("gather's lean path")
+        got = comm.igather(small, root=0, out=whole).wait()
+        if r == 0 and not all((got[j] == j).all() for j in range(n)):
+            bad.append("igather")
         comm.allreduce(tiny)
         kept = comm._lean[collectives.get("allreduce").code] is lean and (tiny == n**5).all()
         return ran, bad, bool(kept)
@@ -304,18 +324,23 @@ def _by_pages(comm, kinds: list[str]) -> tuple[list[str], list[str], bool]:  # t
 @pytest.mark.skipif(not pages.can_scan(), reason="no PAGEMAP_SCAN here (Linux 6.7 and later)")
 @pytest.mark.skipif(pages.thp_setting() not in ("always", "madvise"), reason="no transparent huge pages")
 @pytest.mark.parametrize(
-    "kinds", [["huge", "huge"], ["huge", "small"], ["small", "huge", "huge"], ["huge", "huge", "huge"]]
+    "kinds",
+    [["huge", "huge"], ["huge", "small"], ["small", "huge", "huge"], ["huge", "huge", "huge"], ["huge", "small"] * 2],
 )
 def test_ranks_agree_on_their_pages_before_a_call_whose_choice_hinges_on_them(kinds: list[str]) -> None:
     """cma runs where every rank's buffers are on huge pages, the rings where one rank's are on
-    4 KiB pages; the blocking, nonblocking and persistent forms alike (4 calls of 6 agreed on),
-    with exact results, and the program's small allreduce keeps its lean path between them."""
+    4 KiB pages; the blocking, nonblocking and persistent forms and the lean path of a call made
+    again alike, with exact results, and the program's small allreduce keeps its lean path
+    between them."""
     results = run_ranks(_by_pages, len(kinds), kinds, timeout=120)
     everywhere = all(k == "huge" for k in kinds)
     for ran, bad, kept in results:
         assert not bad and kept, (bad, kept)
-        assert len(ran) == 6, ran  # allgather twice, alltoall, iallgather, broadcast_init twice
-        assert all(("algorithm=cma" in label) == everywhere for label in ran), ran
+        # allgather twice, alltoall, iallgather, broadcast_init twice; gather 3 + 1 from 4 MiB
+        assert len(ran) == (10 if len(kinds) >= 4 else 6), ran
+        assert all(("algorithm=cma" in label) == everywhere for label in ran[:6]), ran
+        # gather's peers write into the root's output alone: its pages decide
+        assert all(("algorithm=cma" in label) == (kinds[0] == "huge") for label in ran[6:]), ran
     assert len({tuple(ran) for ran, _, _ in results}) == 1  # every rank ran the same plans
 
 
