@@ -411,9 +411,6 @@ def decide(
     return Decision(candidates[0], "fallback", "no prediction for any candidate")
 
 
-_PAGES_TEXT = {None: "", True: " if every rank's buffers are on huge pages", False: " if not"}
-
-
 @functools.lru_cache(maxsize=4096)
 def _decide_cached(
     query: Query, overrides: str, tune_file: str, slot_bytes: int | None, nslots: int | None, group_size: int | None
@@ -436,10 +433,13 @@ def choose(
     nslots: int | None = None,
     group_size: int | None = None,
     logger: Any = None,
+    quiet: bool = False,
+    pages: str = "",
 ) -> Algorithm:
     """The algorithm for ``query``; raises :class:`UnsupportedError` for an unusable request.
 
-    ``logger`` gets the ``auto:`` line (a communicator passes its rank-prefixed one).
+    ``logger`` gets the ``auto:`` line (a communicator passes its rank-prefixed one), unless
+    ``quiet``; ``pages`` qualifies it (the call's buffers' pages where the choice hinges on them).
 
     ``slot_bytes``/``nslots`` describe the communicator's rings (default: the configuration's),
     ``group_size`` its ranks per group (default: ``SHMCOLL_GROUP_SIZE``; ``None``: one group).
@@ -455,12 +455,14 @@ def choose(
     key = dataclasses.replace(query, inplace=False)
     groups = cfg.group_size if group_size is None else group_size
     decision = _decide_cached(key, cfg.algo, cfg.tune_file, slot_bytes, nslots, groups)
+    if quiet:
+        return decision.algorithm
     (log if logger is None else logger).info(
         "auto: %s n=%d %d B%s -> %s (%s: %s)",
         query.collective,
         query.world_size,
         call_size(query),
-        _PAGES_TEXT[query.huge_pages],
+        pages,
         decision.algorithm.name,
         decision.reason,
         decision.detail,

@@ -252,7 +252,6 @@ def prepare(
         pick = functools.partial(
             choose, slot_bytes=lay.slot_bytes, nslots=lay.nslots, group_size=group_size, logger=rt._log
         )
-        huge_alg = None
         if (
             algorithm == "auto"
             and query.cma
@@ -262,14 +261,16 @@ def prepare(
             and pages.can_scan()
         ):
             # Decided for both page sizes; where they differ the ranks agree at every call (comm.pages).
-            query = dataclasses.replace(query, huge_pages=False)
-            huge_alg = pick(dataclasses.replace(query, huge_pages=True), algorithm)
+            query, on_huge = dataclasses.replace(query, huge_pages=False), dataclasses.replace(query, huge_pages=True)
+            huge_alg = pick(on_huge, algorithm, quiet=True)
+            if huge_alg.name != pick(query, algorithm, quiet=True).name:
+                pick(on_huge, algorithm, pages=" if every rank's buffers are on huge pages")
+                call = build(pick(query, algorithm, pages=" if not"))
+                call.huge = build(huge_alg)
+                if huge_alg.name == "cma":  # (the only one that says it wins on huge pages)
+                    call.reached = cma_plans.reached(kind, rt.rank == root, count)
+                return call
         alg = pick(query, algorithm)
-        if huge_alg is not None and huge_alg.name != alg.name:
-            call = build(alg)
-            call.huge = build(huge_alg)
-            call.reached = cma_plans.reached(kind, rt.rank == root, count)
-            return call
     return build(alg)
 
 
