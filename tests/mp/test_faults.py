@@ -239,3 +239,81 @@ def test_mismatched_calls_raise_on_every_rank(kind: str) -> None:
     }[kind]
     for w in wants:
         assert w in text, (kind, w, results)
+
+
+# --- a rank waiting for its peers' pages (comm/pages.py) ------------------------------------------
+def _huge_allgather(comm):  # type: ignore[no-untyped-def]
+    """A 4 MiB allgather on huge pages whose choice hinges on pages (the crossover set as where
+    the rings win), made once so that every rank is settled; the function to call it again."""
+    from shmcoll.shm import cma, pages
+
+    comm._cma_crossover = cma.NEVER
+    x = pages.array((2 << 20) // 4, np.float32, "huge")
+    out = pages.array((comm.world_size, (2 << 20) // 4), np.float32, "huge")
+    x[...] = comm.rank
+    out[...] = -1
+    comm.allgather(x, out=out)
+    return lambda: comm.allgather(x, out=out)
+
+
+def _pages_then(comm, what, results_path):  # type: ignore[no-untyped-def]
+    """Rank 0 makes the call again and waits for rank 1's pages; rank 1 makes another call
+    (``mismatch``), dies (``dies``) or is late (``late``)."""
+    again = _huge_allgather(comm)
+    comm.barrier()
+    t0 = time.monotonic()
+    try:
+        if comm.rank == 0:
+            again()
+        elif what == "mismatch":
+            comm.allreduce(np.ones(16, np.float32))
+        elif what == "dies":
+            os._exit(7)
+        else:
+            time.sleep(2.0)
+            return _report(comm, results_path, ("late", 0.0, ""))
+        out = ("no error", time.monotonic() - t0, "")
+    except shmcoll.ShmcollError as exc:
+        out = (type(exc).__name__, time.monotonic() - t0, str(exc))
+    return _report(comm, results_path, out)
+
+
+def _page_waits_checked() -> bool:
+    from shmcoll.shm import cma, pages
+
+    return cma.probe()[0] and pages.can_scan() and pages.thp_setting() in ("always", "madvise")
+
+
+needs_page_waits = pytest.mark.skipif(not _page_waits_checked(), reason="no cma, PAGEMAP_SCAN or huge pages")
+
+
+@needs_page_waits
+def test_a_rank_waiting_for_pages_sees_a_mismatched_call(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = str(tmp_path / "r")
+    shmcoll.spawn(_pages_then, nprocs=2, args=("mismatch", path), timeout=120)
+    for rank in (0, 1):
+        with open(f"{path}.{rank}") as f:
+            kind, elapsed, text = ast.literal_eval(f.read())
+        assert kind == "CollectiveMismatchError" and elapsed < 2.0, (rank, kind, elapsed, text)
+        assert "allgather(" in text and "allreduce(" in text, text
+
+
+@needs_page_waits
+def test_a_rank_waiting_for_pages_sees_its_peer_die(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    kind, elapsed, text = _survivors(_pages_then_dies, 2, 1, tmp_path)[0]
+    assert kind == "PeerLostError" and elapsed < 2.0, (kind, elapsed, text)
+    assert "rank 1" in text and "allgather" in text
+
+
+def _pages_then_dies(comm, victim, results_path):  # type: ignore[no-untyped-def]
+    return _pages_then(comm, "dies", results_path)
+
+
+@needs_page_waits
+def test_a_rank_waiting_for_pages_times_out(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = str(tmp_path / "r")
+    shmcoll.spawn(_pages_then, nprocs=2, args=("late", path), timeout=120, comm_timeout=0.5)
+    with open(f"{path}.0") as f:
+        kind, elapsed, text = ast.literal_eval(f.read())
+    assert kind == "CollectiveTimeout" and 0.45 < elapsed < 1.9, (kind, elapsed, text)
+    assert "allgather" in text and "rank 1" in text
