@@ -30,7 +30,17 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from numba import cuda, float32
+
+# numba-cuda up to at least 0.30.4 registers a device overload of ``np.row_stack`` when it compiles
+# its first kernel; numpy 2.5 removed that alias of ``np.vstack`` (deprecated since 2.0), so every
+# kernel compile there fails with "module 'numpy' has no attribute 'row_stack'" (seen on a GPU
+# machine with numpy 2.5.2). Restoring the alias, only where it is missing and only once a device
+# array reaches shmcoll, lets the CUDA target load; nothing in numpy's own behaviour changes.
+if not hasattr(np, "row_stack"):
+    np.row_stack = np.vstack
+
+from numba import complex64, complex128, cuda, float32, types  # noqa: E402
+from numba.extending import overload  # noqa: E402
 
 from shmcoll.kernels.scalar import (
     AVG,
@@ -68,10 +78,51 @@ def _simulating() -> bool:
 #: Python, one thread per simulated CUDA thread, and device memory is host memory.
 SIMULATOR = _simulating()
 
+
+def multiply_rounded(a, b):  # type: ignore[no-untyped-def]
+    """``multiply`` whose complex product rounds each partial product before adding it.
+
+    NVVM contracts ``ar * br - ai * bi`` into a fused multiply-add even without fastmath, which
+    rounds once instead of twice, so a GPU's complex products differed in the last bit from the
+    CPU engine's (numba compiles them unfused; seen on an H200). libdevice's ``*_rn`` products
+    are never contracted: with them a step of the fold is the CPU engine's, bit for bit. Real
+    types keep ``multiply`` (one product, nothing to contract). This Python form is what
+    the simulator runs; ``np.multiply`` would not do, as numpy's complex loops fuse too.
+    """
+    if isinstance(a, np.complexfloating):
+        re = a.real * b.real - a.imag * b.imag  # numpy scalars: each operation rounded on its own
+        im = a.real * b.imag + a.imag * b.real
+        return a.dtype.type(complex(re, im))
+    return multiply(a, b)
+
+
+@overload(multiply_rounded)
+def _multiply_rounded(a, b):  # type: ignore[no-untyped-def]
+    from numba.cuda import libdevice
+
+    if a == types.complex64:
+
+        def product64(a, b):  # type: ignore[no-untyped-def]
+            re = libdevice.fmul_rn(a.real, b.real) - libdevice.fmul_rn(a.imag, b.imag)
+            im = libdevice.fmul_rn(a.real, b.imag) + libdevice.fmul_rn(a.imag, b.real)
+            return complex64(complex(re, im))  # exact: both parts are float32 values
+
+        return product64
+    if a == types.complex128:
+
+        def product128(a, b):  # type: ignore[no-untyped-def]
+            re = libdevice.dmul_rn(a.real, b.real) - libdevice.dmul_rn(a.imag, b.imag)
+            im = libdevice.dmul_rn(a.real, b.imag) + libdevice.dmul_rn(a.imag, b.real)
+            return complex128(complex(re, im))
+
+        return product128
+    return lambda a, b: multiply(a, b)
+
+
 _COMBINERS = {
     SUM: add,
     AVG: add,
-    PROD: multiply,
+    PROD: multiply_rounded,
     MIN: minimum,
     MAX: maximum,
     BAND: bit_and,
