@@ -29,6 +29,13 @@ TOKEN_LOG = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"shmcoll-test-tokens
 if "SHMCOLL_TOKEN_LOG" not in os.environ:
     os.environ["SHMCOLL_TOKEN_LOG"] = TOKEN_LOG
     config.reload()
+# Each pytest-xdist worker keeps its own log (the controller's name plus the worker's): workers
+# inherit the controller's environment, and a shared log would make one worker count another's
+# live segments as its test's leak. Processes a worker starts inherit the worker's name.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER and not os.environ["SHMCOLL_TOKEN_LOG"].endswith(f"-{_WORKER}"):
+    os.environ["SHMCOLL_TOKEN_LOG"] += f"-{_WORKER}"
+    config.reload()
 TOKEN_LOG = os.environ["SHMCOLL_TOKEN_LOG"]
 
 
