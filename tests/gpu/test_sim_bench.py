@@ -48,3 +48,11 @@ def test_tiny_run_prints_the_table_last(capsys) -> None:  # type: ignore[no-unty
 def test_sizes_are_capped_under_the_simulator(capsys) -> None:  # type: ignore[no-untyped-def]
     assert gpu_bench.main(["--sizes", "1M"]) == 2
     assert "simulator" in capsys.readouterr().err
+
+
+def test_profile_runs(capsys) -> None:  # type: ignore[no-untyped-def]
+    import gpu_profile
+
+    assert gpu_profile.main(["--sizes", "4K", "--calls", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "=== rank 0, 4K: " in out and "=== rank 1, 4K: " in out and "Ordered by: internal time" in out
