@@ -24,7 +24,8 @@ of ``--interleave`` is made from out-of-place launches, as ``shmcoll tune`` make
 Run: ``python benchmarks/auto_vs_best.py [-n 2,4] [--repeat 15] [--iters 30] [-e 8M]
 [--mode out-of-place|in-place|both] [--pages numpy|small|huge] [--registered] [--interleave]
 [--json launches.json]``
-(``--registered``: buffers from ``comm.alloc``, where ``zerocopy`` competes). Prints one table
+(``--registered``: buffers from ``comm.alloc``, where ``zerocopy`` competes). ``auto``'s pick is
+the one for the launch's buffers' pages where it depends on them (``--pages``). Prints one table
 per world size, collective and mode, and the sizes where auto's pick is more than
 ``--tolerance`` (10%) slower than the best; exits 1 if there are any.
 """
@@ -48,12 +49,32 @@ from shmcoll.collectives import COLLECTIVES
 from shmcoll.shm import cma, pages
 
 
+def _on_huge_pages(buffer_pages: str, nbytes: int) -> bool:
+    """Whether every rank's buffers of ``nbytes`` are (mostly) on huge pages in a bench launch with
+    ``--pages buffer_pages``: as made (small, huge), or as numpy's own allocation of that size lands
+    in this process (numpy asks for huge pages from 4 MiB where transparent huge pages allow)."""
+    if buffer_pages != "numpy":
+        return buffer_pages == "huge"
+    a = np.ones(max(nbytes // 4, 1), np.float32)  # touched, as the bench's buffers are
+    return pages.huge_share(a)[0] >= 0.5
+
+
 def auto_pick(
-    collective: str, world_size: int, total_count: int, itemsize: int, registered: bool, table: Any = None
+    collective: str,
+    world_size: int,
+    total_count: int,
+    itemsize: int,
+    registered: bool,
+    table: Any = None,
+    buffer_pages: str = "numpy",
 ) -> str:
     """The algorithm ``auto`` runs for this call: with ``table``, the one it would choose from that
-    table; else the communicator's own choice (``SHMCOLL_TUNE_FILE``, ``SHMCOLL_ALGO``)."""
-    count = total_count // world_size if collectives.get(collective).blocked else total_count
+    table; else the communicator's own choice (``SHMCOLL_TUNE_FILE``, ``SHMCOLL_ALGO``). Where the
+    communicator's choice depends on the buffers' pages (``comm/calls.py``: ``auto`` with cma,
+    more than one rank, the kernel able to report pages), it is made for the pages of a bench
+    launch's buffers (``buffer_pages``, as ``--pages``), every rank's alike."""
+    record = collectives.get(collective)
+    count = total_count // world_size if record.blocked else total_count
     cfg = config.get()
     # (as the communicator asks: cross-memory attach competes where this machine permits it, from
     # sizes that depend on how this machine's kernel copies against its rings; this process's own
@@ -70,6 +91,8 @@ def auto_pick(
         cma_crossover=cma.crossover_bytes() if permitted and world_size > 1 else 0,
         cores=os.cpu_count() or 0,
     )
+    if permitted and world_size > 1 and not record.varying and pages.can_scan():
+        query = dataclasses.replace(query, huge_pages=_on_huge_pages(buffer_pages, total_count * itemsize))
     if table is not None:
         return select.decide(query, table=table, slot_bytes=cfg.slot_bytes, nslots=cfg.nslots).algorithm.name
     return select.choose(query, "auto", slot_bytes=cfg.slot_bytes, nslots=cfg.nslots).name
@@ -188,7 +211,8 @@ def main() -> int:
             table = select.TuneTable(model, config.get().slot_bytes, tuple(measured), "the even launches")
             judged = launches[1::2]
         picks = {
-            (c, size): auto_pick(c, n, count, itemsize, args.registered, table) for (c, size), count in counts.items()
+            (c, size): auto_pick(c, n, count, itemsize, args.registered, table, args.pages)
+            for (c, size), count in counts.items()
         }
         lines, misses = judge(judged, picks, args.tolerance)
         print("\n".join(lines))

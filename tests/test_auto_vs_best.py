@@ -54,3 +54,19 @@ def test_a_real_launch_of_both_modes(capsys: pytest.CaptureFixture[str], monkeyp
     # (one launch of 2 iterations: too noisy to say whether auto missed, only that both were judged)
     picked = [ln for ln in out.splitlines() if ln.strip()[:1].isdigit() and "*" in ln]
     assert rc in (0, 1) and len(picked) == 4  # 8 B and 64 B, each mode
+
+
+def test_the_pick_follows_the_buffers_pages() -> None:
+    """Where the communicator's choice hinges on pages (comm/calls.py), auto_pick makes it for the
+    launch's: a 2-rank allgather of 4 MiB runs cma on huge pages and the rings on 4 KiB pages (the
+    page-aware rule, algos/cma.py); a 1 KiB one does not depend on them."""
+    from shmcoll.shm import cma, pages
+
+    if not (cma.probe()[0] and pages.can_scan()):
+        pytest.skip("needs cross-memory attach and a kernel that reports pages (Linux 6.7)")
+    mib4 = 4 << 20
+    assert avb.auto_pick("allgather", 2, mib4 // 4, 4, False, buffer_pages="huge") == "cma"
+    assert avb.auto_pick("allgather", 2, mib4 // 4, 4, False, buffer_pages="small") != "cma"
+    assert avb.auto_pick("allgather", 2, 256, 4, False, buffer_pages="huge") == avb.auto_pick(
+        "allgather", 2, 256, 4, False, buffer_pages="small"
+    )

@@ -63,6 +63,12 @@ def _large(comm, count: int) -> list[str]:  # type: ignore[no-untyped-def]
     s = comm.scatter(src, out=np.empty(count, np.float32), root=0, algorithm="cma")
     if not np.array_equal(s, val(r, count)):
         bad.append("scatter")
+    root = n - 1  # in place: the root's own block stays where it is, its peers' are shared out
+    src = np.stack([val(j, count) for j in range(n)]) if r == root else None
+    dst = src[root] if src is not None else np.full(count, -1.0, np.float32)
+    s = comm.scatter(src, out=dst, root=root, algorithm="cma")
+    if not np.array_equal(s, val(r, count)):
+        bad.append("scatter in place")
     ga = comm.gather(val(r, count), root=1 % n, algorithm="cma")
     if r == 1 % n and not all(np.array_equal(ga[j], val(j, count)) for j in range(n)):
         bad.append("gather")
