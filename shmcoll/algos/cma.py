@@ -133,7 +133,7 @@ OVERSUBSCRIBED_DEFAULT = 4 << 20  # allgather; broadcast (which _broadcast_skips
 
 
 # Where every rank's buffers are on huge pages (``Query.huge_pages``), ``auto`` runs cma from
-# huge_from(collective) on, up to HUGE_UNTIL, at up to HUGE_RANKS ranks. The kernel pins a
+# huge_from(collective, n) on, up to HUGE_UNTIL, at up to HUGE_RANKS ranks. The kernel pins a
 # peer's pages one at a time before it copies, so from 4 KiB pages it copies at about half the
 # speed it reaches from 2 MiB ones, while the rings, copying with the CPU, barely notice: the race
 # of ``Query.cma_crossover`` runs on 4 KiB pages and says nothing about huge ones. Measured on the
@@ -157,15 +157,23 @@ HUGE_UNTIL = 16 << 20
 HUGE_RANKS = 4
 
 
-def huge_from(collective: str) -> int:
+def huge_from(collective: str, world_size: int) -> int:
     """The smallest call for which ``auto`` runs cma where every rank's buffers are on huge pages:
-    2 MiB; 4 MiB for gather and scatter. Looking at pages costs a call more where it is small:
-    at 2 ranks cma wins from 256 KiB on huge pages, but at 512 KiB on 4 KiB pages the look cost
-    1.2-1.9 us of a 7-14 us call. A gather's or scatter's non-root has nothing its peers reach,
-    so it waits for the root's word before it can start, even on 4 KiB pages: at 2 MiB 0.91-0.95
-    of the rings' time without the look (2-4 ranks, ``page_agreement.py``), at 4 MiB 0.95-0.97,
-    at 8 MiB 0.97-0.98; and numpy gives an array huge pages only from 4 MiB."""
-    return 4 << 20 if collective in ("gather", "scatter") else 2 << 20
+    1 MiB (reduce_scatter at 2 ranks: 2 MiB); 4 MiB for gather and scatter. Looking at pages
+    costs a call more where it is small: at 2 ranks cma wins from 256 KiB on huge pages, but at
+    512 KiB on 4 KiB pages the look cost 1.2-1.9 us of a 7-14 us call. At 1 MiB
+    (``page_agreement.py --sizes 1M``, 5 launches) it costs 0.6-1.8 us on 4 KiB pages (2-4% at
+    2 ranks, 1-7% at 4 on 2 cores) and gains 1.11-1.29x on huge pages at 2 ranks, 1.22-2.45x at
+    4, where auto had run the rings at 1.2-2.1x cma's time (``auto_vs_best.py --pages huge``)
+    and Open MPI's single copy beat it (alltoall, allgather, broadcast: 0.67-0.86); but
+    reduce_scatter at 2 ranks lost there (0.84: cma no faster than ``direct``). A gather's or
+    scatter's non-root has nothing its peers reach, so it waits for the root's word before it can
+    start, even on 4 KiB pages: at 2 MiB 0.91-0.95 of the rings' time without the look (2-4
+    ranks), at 4 MiB 0.95-0.97, at 8 MiB 0.97-0.98; and numpy gives an array huge pages only from
+    4 MiB."""
+    if collective in ("gather", "scatter"):
+        return 4 << 20
+    return 2 << 20 if collective == "reduce_scatter" and world_size <= 2 else 1 << 20
 
 
 # Which of a rank's buffers its peers' system calls reach in each plan: (input, output), at the
@@ -197,7 +205,7 @@ def reached(collective: str, at_root: bool, count: int) -> tuple[bool, bool]:
 def _on_huge_pages(query: Query, size: int) -> bool:
     """``Algorithm.auto_huge``: where cma is taken because every rank's buffers are on huge pages."""
     n = query.world_size
-    return bool(query.huge_pages) and n <= HUGE_RANKS and huge_from(query.collective) <= size < HUGE_UNTIL
+    return bool(query.huge_pages) and n <= HUGE_RANKS and huge_from(query.collective, n) <= size < HUGE_UNTIL
 
 
 def _below_crossover(query: Query, size: int) -> bool:

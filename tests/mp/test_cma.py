@@ -15,6 +15,7 @@ import pytest
 from harness import run_ranks
 
 from shmcoll import collectives, config
+from shmcoll.algos import cma as cma_plans
 from shmcoll.algos import registry
 from shmcoll.algos.select import Measured, TuneTable, choose, decide
 from shmcoll.errors import UnsupportedError
@@ -191,7 +192,7 @@ def test_auto_weighs_cma_from_the_measured_crossover() -> None:
 
 
 def test_auto_runs_cma_where_every_rank_is_on_huge_pages() -> None:
-    """``Query.huge_pages`` (agreed by the ranks, ``comm.pages``): cma from 2 MiB at up to 4 ranks,
+    """``Query.huge_pages`` (agreed by the ranks, ``comm.pages``): cma from 1 MiB at up to 4 ranks,
     before a tune table and whatever the race says; alltoall and gather only below 32 MiB; known
     4 KiB pages leave the rings to the race alone, without the oversubscribed sizes."""
 
@@ -203,14 +204,17 @@ def test_auto_runs_cma_where_every_rank_is_on_huge_pages() -> None:
 
     kinds = ("allgather", "alltoall", "gather", "scatter", "reduce_scatter", "allreduce", "broadcast")
     for collective in kinds:
-        start = 4 << 20 if collective in ("gather", "scatter") else 2 << 20  # (their non-roots wait)
         for n in (2, 3, 4):
+            start = cma_plans.huge_from(collective, n)
+            assert start == (4 << 20 if collective in ("gather", "scatter") else 1 << 20) or (
+                collective == "reduce_scatter" and n == 2 and start == 2 << 20
+            )  # (gather's and scatter's non-roots wait; reduce_scatter at 2 ranks: cma no faster)
             assert decided(collective, start, True, n) == ("cma", "pages"), (collective, n)
             assert decided(collective, start // 2, True, n)[1] != "pages", (collective, n)
             assert decided(collective, 8 << 20, True, n) == ("cma", "pages"), (collective, n)
             assert decided(collective, 2 << 20, False, n)[0] != "cma", (collective, n)  # the race: never
         for n in (2, 4):  # (below: calls repeated with the same arrays take the lean path)
-            assert decided(collective, 1 << 20, True, n)[1] != "pages", (collective, n)
+            assert decided(collective, 512 << 10, True, n)[1] != "pages", (collective, n)
         assert decided(collective, 2 << 20, True, n=8)[1] != "pages", collective  # not measured above 4
         assert decided(collective, 12 << 20, True, n=4) == ("cma", "pages"), collective
         assert decided(collective, 16 << 20, True)[1] != "pages", collective  # (past the L3: memory sets both)
