@@ -26,8 +26,9 @@ allreduce of one int32 before each call: that synchronised the ranks, and the ca
 overlap of one call's end with the next one's start, 3-8% at 2-8 MiB on the 2-core VM.) On huge
 pages the ranks wait for each other here instead of at the plan's first sync.
 
-A rank that waits does so as a call's steps do (``engine.cpu.wait_words``: spin, yield, then
-sleep on the word's futex, which ``publish_word`` wakes), and between time slices checks what
+A rank that waits does so as a call's steps do (``engine.cpu.agree_pages``, which publishes its
+word and waits in one entry: spin, yield, then sleep on the word's futex, which a publish
+wakes), and between time slices checks what
 the run loop checks while a call waits: the abort word, lost peers, a peer already in another
 call of this number (a mismatch), the deadline. Where the
 kernel has no ``PAGEMAP_SCAN`` (before Linux 6.7) no call shape is page-aware and ``auto``
@@ -95,9 +96,11 @@ def agreed(rt: Any, b: Bound, limit: float) -> Bound:
     if words is None:
         words = rt._pages_words = _words(rt)
     k = rt._pages_calls = rt._pages_calls + 1
-    huge = local_huge(b)
-    engine.publish_word(rt._ctrl, words[0][0], 2 * k + int(huge), words[0][1])
-    every = huge and _every_peer_huge(rt, b, words[1], k, limit)
+    if local_huge(b):
+        every = _every_peer_huge(rt, b, words[1], k, limit)
+    else:
+        engine.publish_word(rt._ctrl, words[0][0], 2 * k, words[0][1])
+        every = False
     call = b[0]
     if every is not call.agreed:
         call.agreed = every
@@ -132,28 +135,33 @@ def lean(rt: Any, b: Bound, enter: Any, record: np.ndarray) -> Any:
 
 
 def _words(rt: Any) -> tuple[tuple[int, int], np.ndarray]:
-    """(this rank's word and its waiters' word, the peers' words, waiters' words and ranks as an
-    array of three rows)."""
+    """(this rank's word and its waiters' word, ``engine.agree_pages``' table: those two, the
+    number of peers, then the peers' words, their waiters' words and their ranks)."""
     lay, me = rt._arena.layout, rt._rank
     peers = [p for p in range(rt._world_size) if p != me]
-    rows = [
-        [lay.rank_word(p, layout.R_PAGES) for p in peers],
-        [lay.rank_word(p, layout.R_PAGES_WAITERS) for p in peers],
-        peers,
+    mine = (lay.rank_word(me, layout.R_PAGES), lay.rank_word(me, layout.R_PAGES_WAITERS))
+    table = [
+        *mine,
+        len(peers),
+        *(lay.rank_word(p, layout.R_PAGES) for p in peers),
+        *(lay.rank_word(p, layout.R_PAGES_WAITERS) for p in peers),
+        *peers,
     ]
-    return (lay.rank_word(me, layout.R_PAGES), lay.rank_word(me, layout.R_PAGES_WAITERS)), np.array(rows, np.int64)
+    return mine, np.array(table, np.int64)
 
 
-def _every_peer_huge(rt: Any, b: Bound, peers: np.ndarray, k: int, limit: float) -> bool:
-    """Wait for every peer's word of call ``k`` (or for one that says no): True where each says
-    huge pages."""
+def _every_peer_huge(rt: Any, b: Bound, table: np.ndarray, k: int, limit: float) -> bool:
+    """Publish huge pages for call ``k`` and wait for every peer's word of it (or for one that
+    says no): True where each says huge pages."""
     ctrl, state = rt._ctrl, rt._state
     start = last = time.monotonic()
     try:
         while True:
-            st = engine.wait_words(ctrl, peers[0], peers[1], peers[2], 2 * k, 2 * k + 1, state)
+            st = engine.agree_pages(ctrl, table, k, state)
             if st == engine.OK:
-                return all(int(ctrl[w]) == 2 * k + 1 for w in peers[0])
+                return True
+            if st == engine.NOT_EVERY:
+                return False
             if st == engine.ABORTED:
                 failures.fail_aborted(rt, b[0])
             now = time.monotonic()
