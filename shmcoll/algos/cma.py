@@ -192,11 +192,11 @@ _REACHED = {
 }
 
 
-def reached(collective: str, at_root: bool, count: int) -> tuple[bool, bool]:
+def reached(collective: str, at_root: bool, count: int, world_size: int) -> tuple[bool, bool]:
     """(input, output): whether peers read or write this rank's input and output in this
-    collective's cma plan for blocks of ``count`` elements (``at_root``: this rank is the root;
-    unrooted collectives ignore it)."""
-    if count >= _READ_FROM and collective in ("allgather", "alltoall"):
+    collective's cma plan for blocks of ``count`` elements at ``world_size`` ranks (``at_root``:
+    this rank is the root; unrooted collectives ignore it)."""
+    if collective in ("allgather", "alltoall") and _reads(collective, count, world_size):
         return True, False  # (read from the peers: see _READ_FROM)
     at, elsewhere = _REACHED[collective]
     return at if at_root else elsewhere
@@ -319,8 +319,20 @@ def broadcast(ctx: Context) -> None:
 # Zen 5 VM, 15 times each) took 275-313 us reading and 364-412 writing, 16 MiB 1003-1037 against
 # 1102-1173; ``shmcoll bench -a cma --pages huge``, write / read, out of place: alltoall 2 ranks
 # 8 MiB 383 / 258 us, allgather 16 MiB 934 / 865 and 32 MiB 2704 / 2405; 4 ranks alltoall 64 MiB
-# 13.1 / 11.8 ms; on 4 KiB pages within 5% either way.
+# 13.1 / 11.8 ms; on 4 KiB pages within 5% either way. An alltoall above 2 ranks reads from
+# blocks of 1 MiB of float32 on (huge pages, 3 and 4 ranks on the 2 cores, ``shmcoll bench -a
+# cma``, 6 rounds alternating, read / write, median of the rounds' ratios: 4 MiB 0.69 and 0.68, 8
+# MiB 0.84 and 0.99); an allgather did not gain there (4 MiB 1.09 and 1.10, 8 MiB 1.01 and
+# 0.95), and at 2 ranks the two tied, writing 5% faster for 1 MiB blocks.
 _READ_FROM = 1 << 20
+_ALLTOALL_READ_FROM = 1 << 18  # (above 2 ranks)
+
+
+def _reads(collective: str, count: int, world_size: int) -> bool:
+    """Whether the allgather or alltoall plan reads blocks of ``count`` elements from the peers
+    rather than writes them into the peers (:data:`_READ_FROM`)."""
+    many = collective == "alltoall" and world_size > 2
+    return count >= (_ALLTOALL_READ_FROM if many else _READ_FROM)
 
 
 def _around(r: int, n: int) -> list[int]:
@@ -341,7 +353,7 @@ def _around(r: int, n: int) -> list[int]:
 )
 def allgather(ctx: Context) -> None:
     """Every rank copies its input into its own block, then writes it into every peer's (blocks
-    from :data:`_READ_FROM` elements: reads every peer's into its own). The own copy comes before
+    from :data:`_READ_FROM` elements, :func:`_reads`: reads every peer's into its own). The own copy comes before
     the first sync (it touches nothing a peer reads or writes), so a rank that enters first
     copies while it waits for the others."""
     n, count = ctx.world_size, ctx.count
@@ -351,7 +363,7 @@ def allgather(ctx: Context) -> None:
     zerocopy.sync(ctx)
     for r in range(n):
         for j in _around(r, n):
-            if count >= _READ_FROM:
+            if _reads("allgather", count, n):
                 ctx.copy(r, Region(Buf.IN, 0, rank=j), Region(Buf.OUT, j * ctx.block), count)
             else:
                 ctx.copy(r, Region(Buf.IN, 0), Region(Buf.OUT, r * ctx.block, rank=j), count)
@@ -391,7 +403,7 @@ def gather(ctx: Context) -> None:
 )
 def alltoall(ctx: Context) -> None:
     """Rank ``r`` writes block ``j`` of its input into block ``r`` of rank ``j``'s output (blocks
-    from :data:`_READ_FROM` elements: reads block ``r`` of rank ``j``'s input into its block
+    from :data:`_READ_FROM` elements, :func:`_reads`: reads block ``r`` of rank ``j``'s input into its block
     ``j``), after copying its own block before its first sync (as allgather). In place (see
     :func:`_swaps`) the blocks are swapped pair by pair."""
     n, count = ctx.world_size, ctx.count
@@ -403,7 +415,7 @@ def alltoall(ctx: Context) -> None:
     zerocopy.sync(ctx)
     for r in range(n):
         for j in _around(r, n):
-            if count >= _READ_FROM:
+            if _reads("alltoall", count, n):
                 ctx.copy(r, Region(Buf.IN, r * ctx.block, rank=j), Region(Buf.OUT, j * ctx.block), count)
             else:
                 ctx.copy(r, Region(Buf.IN, j * ctx.block), Region(Buf.OUT, r * ctx.block, rank=j), count)

@@ -268,7 +268,7 @@ def prepare(
                 call = build(pick(query, algorithm, pages=" if not"))
                 call.huge = build(huge_alg)
                 if huge_alg.name == "cma":  # (the only one that says it wins on huge pages)
-                    call.reached = cma_plans.reached(kind, rt.rank == root, count)
+                    call.reached = cma_plans.reached(kind, rt.rank == root, count, rt.world_size)
                 return call
         alg = pick(query, algorithm)
     return build(alg)

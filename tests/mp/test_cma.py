@@ -361,25 +361,20 @@ def test_the_buffers_peers_reach_follow_the_plan() -> None:
     from shmcoll.algos import cma as plans
 
     big = plans._READ_FROM
-    assert plans.reached("allgather", False, 10) == (False, True) and plans.reached("allgather", False, big) == (
-        True,
-        False,
-    )
-    assert plans.reached("alltoall", False, 10) == (False, True) and plans.reached("alltoall", False, big) == (
-        True,
-        False,
-    )
-    assert plans.reached("scatter", True, big) == (True, False) and plans.reached("scatter", False, 10) == (
-        False,
-        False,
-    )
-    assert plans.reached("gather", True, big) == (False, True) and plans.reached("gather", False, big) == (False, False)
-    assert plans.reached("broadcast", True, 10) == (True, True) and plans.reached("broadcast", False, 10) == (
-        False,
-        True,
-    )
-    assert plans.reached("allreduce", False, big) == (True, True)
-    assert plans.reached("reduce_scatter", False, 10) == (True, False)
+
+    def reached(collective: str, at_root: bool, count: int, n: int = 2) -> tuple[bool, bool]:
+        return plans.reached(collective, at_root, count, n)
+
+    assert reached("allgather", False, 10) == (False, True) and reached("allgather", False, big) == (True, False)
+    assert reached("alltoall", False, 10) == (False, True) and reached("alltoall", False, big) == (True, False)
+    many = plans._ALLTOALL_READ_FROM  # (above 2 ranks an alltoall reads from smaller blocks)
+    assert reached("alltoall", False, many, 2) == (False, True) and reached("alltoall", False, many, 4) == (True, False)
+    assert reached("allgather", False, many, 4) == (False, True)
+    assert reached("scatter", True, big) == (True, False) and reached("scatter", False, 10) == (False, False)
+    assert reached("gather", True, big) == (False, True) and reached("gather", False, big) == (False, False)
+    assert reached("broadcast", True, 10) == (True, True) and reached("broadcast", False, 10) == (False, True)
+    assert reached("allreduce", False, big) == (True, True)
+    assert reached("reduce_scatter", False, 10) == (True, False)
 
 
 def _without_scan(comm) -> tuple[list[bool], bool]:  # type: ignore[no-untyped-def]
