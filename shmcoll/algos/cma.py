@@ -162,9 +162,9 @@ def huge_from(collective: str, world_size: int) -> int:
     1 MiB (reduce_scatter at 2 ranks: 2 MiB); 4 MiB for gather and scatter. Looking at pages
     costs a call more where it is small: at 2 ranks cma wins from 256 KiB on huge pages, but at
     512 KiB on 4 KiB pages the look cost 1.2-1.9 us of a 7-14 us call. At 1 MiB
-    (``page_agreement.py --sizes 1M``, 5 launches) it costs 0.6-1.8 us on 4 KiB pages (2-4% at
-    2 ranks, 1-7% at 4 on 2 cores) and gains 1.11-1.29x on huge pages at 2 ranks, 1.22-2.45x at
-    4, where auto had run the rings at 1.2-2.1x cma's time (``auto_vs_best.py --pages huge``)
+    (``page_agreement.py --sizes 1M``, 5 launches, two runs) it costs 0-6% on 4 KiB pages and
+    gains 1.11-1.64x on huge pages at 2 ranks, 1.19-2.56x at 4 on 2 cores, where auto had run
+    the rings at 1.2-2.1x cma's time (``auto_vs_best.py --pages huge``)
     and Open MPI's single copy beat it (alltoall, allgather, broadcast: 0.67-0.86); but
     reduce_scatter at 2 ranks lost there (0.84: cma no faster than ``direct``). A gather's or
     scatter's non-root has nothing its peers reach, so it waits for the root's word before it can
@@ -353,9 +353,9 @@ def _around(r: int, n: int) -> list[int]:
 )
 def allgather(ctx: Context) -> None:
     """Every rank copies its input into its own block, then writes it into every peer's (blocks
-    from :data:`_READ_FROM` elements, :func:`_reads`: reads every peer's into its own). The own copy comes before
-    the first sync (it touches nothing a peer reads or writes), so a rank that enters first
-    copies while it waits for the others."""
+    from :data:`_READ_FROM` elements, :func:`_reads`: reads every peer's into its own). The own
+    copy comes before the first sync (it touches nothing a peer reads or writes), so a rank that
+    enters first copies while it waits for the others."""
     n, count = ctx.world_size, ctx.count
     if not ctx.inplace:
         for r in range(n):
@@ -403,8 +403,8 @@ def gather(ctx: Context) -> None:
 )
 def alltoall(ctx: Context) -> None:
     """Rank ``r`` writes block ``j`` of its input into block ``r`` of rank ``j``'s output (blocks
-    from :data:`_READ_FROM` elements, :func:`_reads`: reads block ``r`` of rank ``j``'s input into its block
-    ``j``), after copying its own block before its first sync (as allgather). In place (see
+    from :data:`_READ_FROM` elements, :func:`_reads`: reads block ``r`` of rank ``j``'s input
+    into its block ``j``), after copying its own block before its first sync (as allgather). In place (see
     :func:`_swaps`) the blocks are swapped pair by pair."""
     n, count = ctx.world_size, ctx.count
     if ctx.inplace:
