@@ -225,7 +225,19 @@ def reduce(ctx: Context) -> None:
             ctx.send(rank, chain[i + 1], acc, count)
 
 
-@register("allgatherv", "ring", piece=whole_call)
+def _forwards_outnumbered(query: Query, size: int) -> bool:
+    """``Algorithm.auto_skip`` for allgatherv: not where ranks outnumber the machine's cores
+    (``Query.cores``). Each fragment is forwarded ``n-2`` times, and each forward waits for the
+    rank it goes to to get a core, while ``direct``'s ``n-1`` messages per rank all go out at once.
+    The built-in model, which prices a hand-off alike either way, had the two within 2-7% and
+    took the ring at 1-2 MiB; measured at 4 ranks on the 2-core Zen 5 VM (``auto_vs_best.py -n 4
+    -c allgatherv --mode both --repeat 5``, ``ring`` / ``direct``): 1.15-1.74 at every size from 16
+    KiB to 4 MiB on 4 KiB pages, 1.25-1.45 from 1 to 16 MiB on huge ones (stop 39 too: 1.21-1.33
+    at 1-2 MiB). At 2 ranks the two tie (0.95-1.04), and there nothing is forwarded."""
+    return bool(query.cores) and query.world_size > query.cores
+
+
+@register("allgatherv", "ring", piece=whole_call, auto_skip=_forwards_outnumbered)
 def allgatherv(ctx: Context) -> None:
     """allgather's ring on fragments: pass ``f`` sends the ``f``-th fragment of every block that
     has one around the ring; ``n-1`` steps per pass."""
