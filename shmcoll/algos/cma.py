@@ -130,6 +130,17 @@ OVERSUBSCRIBED_FROM = {
     "alltoall": 64 << 20,
 }
 OVERSUBSCRIBED_DEFAULT = 4 << 20  # allgather; broadcast (which _broadcast_skips keeps to 16 MiB)
+# Where the ranks agreed that every buffer is on huge pages, gather's 64 MiB starts at 16 MiB,
+# up to HUGE_RANKS ranks: at 4 ranks on 2 cores, huge pages, cma's time over ``direct``'s, out of
+# place / in place: 16 MiB 0.57 / 0.63 (``auto_vs_best.py -n 4 --pages huge --mode both``, 5
+# launches), 0.29 / 0.44 and 32 MiB 0.65 / 0.71 (3 launches, another run), and in two launches of
+# ``shmcoll bench -a auto,direct,cma`` 0.80-1.01 / 0.78-0.88 at 16 MiB, 0.70-0.71 / 0.88-1.02 at
+# 32 MiB (stop 39's run: 0.74-0.82 at 16 MiB). alltoall's stays at 64 MiB: the same runs had it
+# at 0.58-0.73 out of place, but six launches alternating the two (``shmcoll bench -a
+# direct,cma`` and ``cma,direct``, each launch's own ratio) put it at 0.60-1.01 at 16 MiB and
+# 0.65-1.01 at 32 MiB out of place (medians 0.91 and 0.90), and in place, where its pairwise
+# swaps run, at 0.66-1.11 (median 0.99) and 0.78-1.44 (median 1.30).
+OVERSUBSCRIBED_HUGE_FROM = {"gather": 16 << 20}
 
 
 # Where every rank's buffers are on huge pages (``Query.huge_pages``), ``auto`` runs cma from
@@ -214,8 +225,9 @@ def _below_crossover(query: Query, size: int) -> bool:
     (``Query.cma_crossover``, measured by ``shm.cma.crossover_bytes``): below ``n`` times the
     crossover, a block being the bytes a rank moves to one peer, about ``size / n`` in every
     collective here (the reductions' chunks, the broadcast's shares). Where ranks outnumber the
-    machine's cores, from the collective's :data:`OVERSUBSCRIBED_FROM` on at the latest, unless
-    the ranks agreed that their buffers are not all on huge pages (``Query.huge_pages`` False):
+    machine's cores, from the collective's :data:`OVERSUBSCRIBED_FROM` on at the latest (from
+    :data:`OVERSUBSCRIBED_HUGE_FROM` where the ranks agreed that every buffer is on huge pages), unless the
+    ranks agreed that their buffers are not all on huge pages (``Query.huge_pages`` False):
     that table was measured on buffers of either page size, and on 4 KiB pages cma lost to the
     rings at every size there (4 ranks, 1.07-5.84x; stop 37). Never where :func:`_on_huge_pages`
     holds. Not measured (0): the sizes of ``auto_from`` alone decide.
@@ -236,6 +248,8 @@ def _below_crossover(query: Query, size: int) -> bool:
     start = query.world_size * crossover
     if query.cores and query.world_size > query.cores and query.huge_pages is not False:
         start = min(start, OVERSUBSCRIBED_FROM.get(query.collective, OVERSUBSCRIBED_DEFAULT))
+        if query.huge_pages and query.world_size <= HUGE_RANKS:
+            start = min(start, OVERSUBSCRIBED_HUGE_FROM.get(query.collective, start))
     return size < start
 
 
