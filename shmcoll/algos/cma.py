@@ -130,17 +130,20 @@ OVERSUBSCRIBED_FROM = {
     "alltoall": 64 << 20,
 }
 OVERSUBSCRIBED_DEFAULT = 4 << 20  # allgather; broadcast (which _broadcast_skips keeps to 16 MiB)
-# Where the ranks agreed that every buffer is on huge pages, gather's 64 MiB starts at 16 MiB,
-# up to HUGE_RANKS ranks: at 4 ranks on 2 cores, huge pages, cma's time over ``direct``'s, out of
-# place / in place: 16 MiB 0.57 / 0.63 (``auto_vs_best.py -n 4 --pages huge --mode both``, 5
-# launches), 0.29 / 0.44 and 32 MiB 0.65 / 0.71 (3 launches, another run), and in two launches of
-# ``shmcoll bench -a auto,direct,cma`` 0.80-1.01 / 0.78-0.88 at 16 MiB, 0.70-0.71 / 0.88-1.02 at
-# 32 MiB (stop 39's run: 0.74-0.82 at 16 MiB). alltoall's stays at 64 MiB: the same runs had it
-# at 0.58-0.73 out of place, but six launches alternating the two (``shmcoll bench -a
-# direct,cma`` and ``cma,direct``, each launch's own ratio) put it at 0.60-1.01 at 16 MiB and
-# 0.65-1.01 at 32 MiB out of place (medians 0.91 and 0.90), and in place, where its pairwise
-# swaps run, at 0.66-1.11 (median 0.99) and 0.78-1.44 (median 1.30).
-OVERSUBSCRIBED_HUGE_FROM = {"gather": 16 << 20}
+# Where the ranks agreed that every buffer is on huge pages, gather's and alltoall's 64 MiB start
+# at 16 MiB, up to HUGE_RANKS ranks. At 4 ranks on 2 cores, huge pages, cma's time over
+# ``direct``'s, out of place / in place (``benchmarks/RESULTS.md``, stop 40):
+# - gather: 16 MiB 0.57 / 0.63 (``auto_vs_best.py -n 4 --pages huge --mode both``, 5 launches),
+#   0.29 / 0.44 and 32 MiB 0.65 / 0.71 (3 launches, another run), and in two launches of
+#   ``shmcoll bench -a auto,direct,cma`` 0.80-1.01 / 0.78-0.88 at 16 MiB, 0.70-0.71 / 0.88-1.02 at
+#   32 MiB (stop 39's run: 0.74-0.82 at 16 MiB);
+# - alltoall, since its in-place swaps go a part at a time (:func:`_swaps`; before, they lost at
+#   32 MiB, 1.17-1.44 in 5 of 6 launches): 8 launches alternating the two (``shmcoll bench -a
+#   direct,cma`` and ``cma,direct``, each launch's own ratio), 16 MiB 0.91-0.98 / 0.87-0.96
+#   (medians 0.94 / 0.89), 32 MiB 0.94-0.97 / 0.66-1.12 (0.96 / 0.94); against Open MPI
+#   (``compare_peers.py -n 4 -c alltoall -b 16M -e 32M``, 3 runs of 3 rounds, paired), with
+#   ``direct`` 0.78-0.84 at 16 MiB and 0.70-0.92 at 32, with cma 0.95-1.09 and 0.97-1.10.
+OVERSUBSCRIBED_HUGE_FROM = {"gather": 16 << 20, "alltoall": 16 << 20}
 
 
 # Where every rank's buffers are on huge pages (``Query.huge_pages``), ``auto`` runs cma from

@@ -194,7 +194,7 @@ def test_auto_weighs_cma_from_the_measured_crossover() -> None:
 def test_auto_runs_cma_where_every_rank_is_on_huge_pages() -> None:
     """``Query.huge_pages`` (agreed by the ranks, ``comm.pages``): cma from 1 MiB at up to 4 ranks,
     before a tune table and whatever the race says, up to 16 MiB (from there at 4 ranks on 2
-    cores, the oversubscribed sizes, which huge pages bring down to 16 MiB for gather); known
+    cores, the oversubscribed sizes, which huge pages bring down to 16 MiB for gather and alltoall); known
     4 KiB pages leave the rings to the race alone, without the oversubscribed sizes."""
 
     def decided(collective: str, nbytes: int, huge: bool | None, n: int = 2, table: Any = None) -> tuple[str, str]:
@@ -220,18 +220,18 @@ def test_auto_runs_cma_where_every_rank_is_on_huge_pages() -> None:
         assert decided(collective, 12 << 20, True, n=4) == ("cma", "pages"), collective
         assert decided(collective, 16 << 20, True)[1] != "pages", collective  # (past the L3: memory sets both)
     # From 16 MiB on huge pages, the rules for unknown pages: at 4 ranks on 2 cores, cma from the
-    # collective's oversubscribed size, which huge pages bring down to 16 MiB for gather (it waits
-    # for 64 MiB otherwise; alltoall, whose in-place swaps lost there, does)
+    # collective's oversubscribed size, which huge pages bring down to 16 MiB for gather and
+    # alltoall (they wait for 64 MiB otherwise)
     assert (
         decided("allreduce", 32 << 20, True, n=4)[0] == "cma" and decided("allreduce", 32 << 20, False, n=4)[0] != "cma"
     )
-    for nbytes in (16 << 20, 32 << 20):
-        assert decided("gather", nbytes, True, n=4)[0] == "cma", nbytes
-        assert decided("gather", nbytes, None, n=4)[0] != "cma", nbytes  # (pages unknown: 64 MiB)
-        assert decided("gather", nbytes, False, n=4)[0] != "cma", nbytes
-        assert decided("gather", nbytes, True, n=8)[0] != "cma", nbytes  # (not measured above 4)
-        assert decided("alltoall", nbytes, True, n=4)[0] != "cma", nbytes
     for collective in ("alltoall", "gather"):
+        for nbytes in (16 << 20, 32 << 20):
+            assert decided(collective, nbytes, True, n=4)[0] == "cma", (collective, nbytes)
+            assert decided(collective, nbytes, None, n=4)[0] != "cma", (collective, nbytes)  # (pages unknown)
+            assert decided(collective, nbytes, False, n=4)[0] != "cma", (collective, nbytes)
+            assert decided(collective, nbytes, True, n=8)[0] != "cma", (collective, nbytes)  # (not measured above 4)
+            assert decided(collective, nbytes, True, n=2)[0] != "cma", (collective, nbytes)  # (a core each)
         assert decided(collective, 64 << 20, None, n=4)[0] == "cma", collective
     # 4 KiB pages, 4 ranks on 2 cores: the race alone (it never saw the kernel win), not the
     # oversubscribed sizes, which were measured on buffers of either page size
