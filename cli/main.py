@@ -355,7 +355,8 @@ def info() -> None:
         click.echo(
             "page-aware choice of cross-memory attach: "
             + (
-                "on (the ranks of a call of 1-16 MiB tell each other whether their buffers are on huge pages)"
+                "on (the ranks of a call of 1-16 MiB, and more where ranks outnumber cores, tell each other "
+                "whether their buffers are on huge pages)"
                 if pages.can_scan()
                 else "off (this kernel has no PAGEMAP_SCAN, Linux 6.7+: auto cannot tell huge pages from 4 KiB ones)"
             )
