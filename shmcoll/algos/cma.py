@@ -229,8 +229,8 @@ def _below_crossover(query: Query, size: int) -> bool:
     crossover, a block being the bytes a rank moves to one peer, about ``size / n`` in every
     collective here (the reductions' chunks, the broadcast's shares). Where ranks outnumber the
     machine's cores, from the collective's :data:`OVERSUBSCRIBED_FROM` on at the latest (from
-    :data:`OVERSUBSCRIBED_HUGE_FROM` where the ranks agreed that every buffer is on huge pages), unless the
-    ranks agreed that their buffers are not all on huge pages (``Query.huge_pages`` False):
+    :data:`OVERSUBSCRIBED_HUGE_FROM` where the ranks agreed that every buffer is on huge pages),
+    unless the ranks agreed that their buffers are not all on huge pages (``Query.huge_pages`` False):
     that table was measured on buffers of either page size, and on 4 KiB pages cma lost to the
     rings at every size there (4 ranks, 1.07-5.84x; stop 37). Never where :func:`_on_huge_pages`
     holds. Not measured (0): the sizes of ``auto_from`` alone decide.
@@ -453,9 +453,10 @@ def _swaps(ctx: Context) -> None:
     The halves go a part (:func:`_part`) at a time through a scratch of one part, which stays in
     the core's cache: a whole half's scratch outgrew it from 16 MiB calls, where the swap lost to
     ``direct`` (2 ranks 16 MiB 794 against 481 us; 4 ranks 32 MiB 1.17-1.44x in 5 of 6 launches).
-    ``shmcoll bench -c alltoall -a cma --in-place --pages huge``, 7 rounds alternating, median of
-    the rounds' parts / whole-halves: 2 ranks 8 MiB 0.99, 16 MiB 0.74, 32 MiB 0.57, 64 MiB 0.52;
-    4 ranks 8 MiB 0.91, 16 MiB 0.82, 32 MiB 0.73, 64 MiB 0.62; at 1-4 MiB (one or two parts) 0.90-1.04."""
+    ``shmcoll bench -c alltoall -a cma --in-place --pages huge``, 5-8 rounds alternating, median
+    of the rounds' parts / whole halves: 2 ranks 8 MiB 0.99, 16 MiB 0.74, 32 MiB 0.57, 64 MiB
+    0.52; 4 ranks 8 MiB 0.91, 16 MiB 0.82, 32 MiB 0.73, 64 MiB 0.62; at 1-4 MiB (one or two
+    parts) 0.90-1.04."""
     n, count, block = ctx.world_size, ctx.count, ctx.block
     halves = split(count, 2)
     part = _part(halves[0][1])
