@@ -66,6 +66,9 @@ log = logging.getLogger("shmcoll")
 WARM_DTYPES = tuple(np.dtype(t) for t in (np.uint8, np.int64))
 
 _GRACE_S = 5.0  # how long survivors of a failure get to report before they are killed
+# How long `shmcoll run` waits for the rank its peers found lost to exit, once they have: a rank
+# that closed its communicator (or raised) can take a while to leave its interpreter.
+_CULPRIT_WAIT_S = 3.0
 
 
 def warm_kernels(dtypes: Sequence[np.dtype] = WARM_DTYPES) -> None:
@@ -1084,6 +1087,7 @@ def _join_children(group: Group, children: list[_Child], timeout: float | None, 
     deadline = None if timeout is None else time.monotonic() + timeout
     first: tuple[int, int] | None = None
     grace_end: float | None = None
+    culprit_since: float | None = None  # since when the rank the others lost is awaited
 
     def dump_and_kill() -> None:
         alive = [(r, c) for r, c in enumerate(children) if c.poll() is None]
@@ -1094,10 +1098,21 @@ def _join_children(group: Group, children: list[_Child], timeout: float | None, 
         now = time.monotonic()
         if first is None:
             failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
-            if failed:
+            culprit = group.culprit() if failed else None
+            if (
+                culprit is not None
+                and 0 <= culprit < len(codes)
+                and codes[culprit] is None
+                and (culprit_since is None or now - culprit_since < _CULPRIT_WAIT_S)
+            ):
+                # The rank the others found lost (it closed its communicator, or its peers saw it
+                # go) may still be on its way out after they have left: its exit is the job's.
+                # The arena's abort word has stopped the others already.
+                if culprit_since is None:
+                    culprit_since = now
+            elif failed:
                 # Several may have exited since the last look: the arena knows which one the
                 # others lost, or which failed on its own; otherwise take the lowest rank.
-                culprit = group.culprit()
                 first = next(((r, c) for r, c in failed if r == culprit), failed[0])
                 rank, code = first
                 _say(out, f"shmcoll run: rank {rank} {_describe_exit(code)}; stopping the others")

@@ -84,6 +84,11 @@ SCRIPT = textwrap.dedent("""
         print("RESULT", x.tolist(), objs[-1])
     if "--fail" in sys.argv and comm.rank == comm.world_size - 1:
         raise SystemExit(7)
+    if "--fail-slowly" in sys.argv and comm.rank == comm.world_size - 1:
+        import time
+        comm.close()  # (its peers find it lost at once, and leave before it has)
+        time.sleep(1.0)
+        raise SystemExit(7)
     comm.barrier()
 """)
 
@@ -103,6 +108,15 @@ def test_shmcoll_run_and_init(tmp_path) -> None:  # type: ignore[no-untyped-def]
 
 def test_shmcoll_run_reports_failing_rank(tmp_path) -> None:  # type: ignore[no-untyped-def]
     proc = _run_cli(tmp_path, "-n", "3", "--fail")
+    assert proc.returncode == 7, proc.stderr
+    assert "rank 2 exited with code 7" in proc.stderr
+
+
+def test_shmcoll_run_reports_the_lost_rank_even_when_its_peers_leave_first(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The rank the others found lost is the one reported, with its exit code, even when it is
+    still on its way out after they have left (a CI run saw rank 1's ``PeerLostError`` exit
+    reported for rank 2's ``SystemExit(7)``)."""
+    proc = _run_cli(tmp_path, "-n", "3", "--fail-slowly")
     assert proc.returncode == 7, proc.stderr
     assert "rank 2 exited with code 7" in proc.stderr
 
