@@ -18,8 +18,14 @@ of an 8-byte allreduce 3.07 -> 1.66 us (the blocking call: 0.71, ``iallreduce().
 ``requests.START_AT_ONCE``) that finds nothing ahead of it also runs at its start, until its
 first wait (``requests.Queue._admit``): its peers get its part at once, and one whose peers
 started first completes within ``start()``. On an AMD machine, 3 alternating rounds: 8 bytes
-2.13-2.16 -> 1.63-1.86 us (blocking 0.84-0.98). What is left over the blocking call is the
-queue's Python: its lock, taken twice, and the request's states.
+2.13-2.16 -> 1.63-1.86 us (blocking 0.84-0.98). Since that run holds the queue's lock (taken
+once a start, not three times) and a wait on a request done in its start returns from here, on
+the Zen 5 VM: 8 bytes 1.34-1.35 -> 0.93-0.97 us (blocking 0.71-0.73), 64 KiB, now run at its
+start too, 6.50-6.87 -> 5.93-6.06 (blocking 5.25-5.74). What is left over the blocking call
+(0.2 us at 8 bytes) is the queue's Python: its lock and the request's states. The blocking
+call repeated on the same arrays already skips every check and all planning (``bind``'s lean
+path), so a persistent request saves nothing over it here; it is the form for code written
+against MPI's persistent collectives, and a start that posts this rank's part at once.
 
 A request is *started* from ``start()`` until a ``wait()`` returns or a ``test()`` returns True
 (or either raises the call's error), as in MPI, even when the call completed within its start.
@@ -35,6 +41,7 @@ import numpy as np
 
 from shmcoll import collectives, config
 from shmcoll.comm import bind
+from shmcoll.comm.requests import _DONE, Request
 from shmcoll.comm.runtime import Runtime
 from shmcoll.types import ReduceOp
 
@@ -98,6 +105,9 @@ class Persistent:
         active = self._active
         if active is None:
             raise RuntimeError(f"{self.what} was never started: call start() first")
+        if type(active) is Request and active._state == _DONE and active._error is None:  # (done in its start)
+            self._started = False
+            return active._result
         try:
             return active.wait(timeout)
         finally:

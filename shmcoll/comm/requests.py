@@ -63,10 +63,14 @@ _ANY_DONE = threading.Condition()
 _ANY_WAITERS = [0]  # threads in wait_any (completions notify _ANY_DONE only if there are some)
 # Operations up to this many bytes per buffer run at their start as far as they go without
 # waiting (Queue._admit). A larger one would keep the caller from its own work for longer than a
-# queued start costs, so it is left to whoever waits, or the progress thread; and at 64 KiB (2
-# ranks: cma, whose first step waits for every peer) start+wait measured 3-11% slower so than
-# queued (benchmarks/latency.py, 3 alternating rounds: 13.0-13.8 against 12.4-12.9 us).
-START_AT_ONCE = 16 << 10
+# queued start costs, so it is left to whoever waits, or the progress thread. Since that run
+# holds the queue's lock instead of taking it twice more, 64 KiB gains (it was 16 KiB: at 64 KiB
+# start+wait measured 3-11% slower at its start than queued). ``benchmarks/latency.py -n 2
+# --launches 3``, persistent start+wait, 3 rounds alternating 16 and 64 KiB here (the blocking
+# call in brackets): 32 KiB 2.57-2.58 -> 1.74-1.81 us (1.57-1.63), 64 KiB 3.68-3.75 -> 2.89-2.93
+# (2.75-2.77); ``iallreduce().wait()`` 3.05-3.13 -> 2.39-2.49 and 4.19-4.25 -> 3.68-3.76. At 256
+# KiB against 64 (2 rounds) start+wait won 0-5% and ``iallreduce().wait()`` lost 2-10%.
+START_AT_ONCE = 64 << 10
 
 
 def with_trying(lean: tuple[Any, ...], b: Any) -> tuple[Any, ...]:
@@ -203,15 +207,20 @@ class Queue:
     # --- submitting ---------------------------------------------------------------------------
     def submit(self, bound: Any, timeout: float | None, what: str, lean: Any = None) -> Request:
         req = Request(self, bound, timeout, what, 0.0, lean)  # (_admit sets its time if queued)
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # (not `with`: 0.06 us less a start)
+        try:
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._serve, name=f"shmcoll-progress-r{self._rt.rank}", daemon=True
                 )
                 self._thread.start()
-            now_here = self._admit(req)
-        if now_here:
-            self._run_at_start(req)
+            done = self._admit(req)
+        finally:
+            lock.release()
+        if done and _ANY_WAITERS[0]:
+            with _ANY_DONE:
+                _ANY_DONE.notify_all()
         return req
 
     def restart(self, req: Request, bound: Any) -> None:
@@ -220,24 +229,39 @@ class Queue:
         :meth:`submit` without making a request."""
         req._bound = bound
         req._result = req._error = None
-        with self._lock:
-            now_here = self._admit(req)
-        if now_here:
-            self._run_at_start(req)
+        lock = self._lock
+        lock.acquire()  # (not `with`: 0.06 us less a start)
+        try:
+            done = self._admit(req)
+        finally:
+            lock.release()
+        if done and _ANY_WAITERS[0]:
+            with _ANY_DONE:
+                _ANY_DONE.notify_all()
 
     def _admit(self, req: Request) -> bool:
-        """Queue ``req``, or take it to run at its start (True; call with the lock held).
+        """Queue ``req``, or run it at its start; returns whether it completed so (call with the
+        lock held; the caller then tells :func:`wait_any`'s waiters).
 
         A small request whose lean path has a trying record (:func:`with_trying`) and that
         finds nothing ahead of it runs at once, as far as it goes without waiting: a step that
-        would wait returns instead, and the request goes back to the head of the queue,
-        *parked*, for the first thread that waits on it (or the progress thread, after its
-        grace) to carry on from there. So a start posts what this rank sends while the caller
-        goes on, a start followed by a wait costs one run and one resumption instead of the
-        queue's hand-off, and a request whose peers were there already completes in its start
-        (and needs no polls of the progress thread: only a queued or parked one starts them).
-        (``_runner`` stays 0 meanwhile: it is for :meth:`drain` in the thread that runs an
-        operation, and no other Python code runs in this thread until the run returns.)"""
+        would wait returns instead, and the request goes to the head of the queue, *parked*,
+        for the first thread that waits on it (or the progress thread, after its grace) to
+        carry on from there. So a start posts what this rank sends while the caller goes on, a
+        start followed by a wait costs one run and one resumption instead of the queue's
+        hand-off, and a request whose peers were there already completes in its start (and
+        needs no polls of the progress thread: only a queued or parked one starts them).
+
+        The run holds the queue's lock: a trying run returns within ``engine.TRY_SPIN_NS`` of
+        spinning at a wait, a thread that took the lock meanwhile could only wait for it, and
+        taking the lock once instead of three times was a third of what a start cost over the
+        blocking call (an uncontended ``with lock`` measured 0.12 us; ``acquire()`` and
+        ``release()`` 0.06). ``benchmarks/latency.py -n 2 --launches 3``, 3 rounds alternating
+        with the code before (which took the lock to admit, to complete, and to park): 8-byte
+        persistent start+wait 1.34-1.35 -> 0.93-0.97 us, ``iallreduce(x).wait()`` 2.13-2.16 ->
+        1.60-1.61, the blocking call 0.71-0.73 in both. No Python code runs in this thread
+        until the run returns, and none can add a callback (:meth:`Request._on_done` takes the
+        lock), so a request done here has none to call."""
         self.pending += 1
         lean = req._lean
         if lean is None or len(lean) < 4 or self._running or self._items:
@@ -249,32 +273,26 @@ class Queue:
             if self._idle:
                 self._work.notify()
             return False
-        req._state = _RUNNING
-        self._running = True
-        return True
-
-    def _run_at_start(self, req: Request) -> None:
-        """Run ``req`` (taken by :meth:`_admit`) until it completes or would wait; complete it,
-        or park it at the queue's head."""
-        lean = req._lean
         st = lean[0](lean[3])
         if st == OK:
             req._result = req._bound[3]
             req._bound = None
-            self._complete(req)
-            return
+            req._state = _DONE
+            self.pending -= 1
+            if self._waiters:
+                self._done.notify_all()
+            return True
         req._parked = st
         now = time.monotonic()
         req._since = now  # (its grace, for the progress thread, runs from here)
-        with self._lock:
-            self._active_until = now + _ACTIVE_S
-            req._state = _PENDING
-            self._items.appendleft(req)
-            self._running = False
-            if self._waiters:
-                self._done.notify_all()
-            if self._idle:
-                self._work.notify()
+        self._active_until = now + _ACTIVE_S
+        req._state = _PENDING
+        self._items.appendleft(req)
+        if self._waiters:
+            self._done.notify_all()
+        if self._idle:
+            self._work.notify()
+        return False
 
     # --- running ------------------------------------------------------------------------------
     def _take(self) -> Request | None:

@@ -333,7 +333,8 @@ class Runtime:
         call's lean path does."""
         if timeout is not None:
             config.timeout_s(timeout)
-        self._check_usable()
+        if self._broken is not None:  # (binding ``b`` looked for a fork: calls.prepare)
+            self._check_usable()
         if self._nested_owner is not None:
             raise ConcurrentCallError(self._concurrent_message(what))
         progress = self._progress
