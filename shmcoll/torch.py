@@ -57,8 +57,14 @@ _OPS = {
 }
 
 
+_SUM = dist.ReduceOp.SUM
+
+
 def _op(reduce_op: Any) -> ReduceOp:
-    """shmcoll's op for torch's ``ReduceOp`` (SUM first: comparing costs 0.1 us, hashing 0.3)."""
+    """shmcoll's op for torch's ``ReduceOp`` (SUM first: comparing costs 0.1 us, hashing 0.3;
+    SUM before the loop: 0.38 -> 0.15 us a call)."""
+    if reduce_op == _SUM:
+        return ReduceOp.SUM
     for theirs, ours in _OPS.items():
         if reduce_op == theirs:
             return ours
@@ -82,9 +88,12 @@ class Work(dist.Work):
     tensors the call wrote, as torch's own backends give them).
     """
 
+    # (slots: making one took 0.71 us with attributes in a dict, 0.52 so; torch's bare Work 0.24)
+    __slots__ = ("_requests", "_result", "_finish", "_lock", "_finished", "_error", "_future")
+
     def __init__(self, requests: Sequence[Request], result: Any, finish: Callable[[], None] | None = None) -> None:
         super().__init__()
-        self._requests = list(requests)
+        self._requests = requests
         self._result = result
         self._finish = finish
         self._lock = threading.Lock()
@@ -95,8 +104,11 @@ class Work(dist.Work):
     def _complete(self) -> None:
         """Run ``finish`` once every request is done (any thread); sets the future."""
         with self._lock:
-            if self._finished or not all(r.done for r in self._requests):
+            if self._finished:
                 return
+            for r in self._requests:  # (not all() over a generator: 0.2 us more a call)
+                if not r.done:
+                    return
             self._finished = True
             try:
                 for r in self._requests:
@@ -122,7 +134,8 @@ class Work(dist.Work):
             raise dist.DistBackendError(f"shmcoll: {exc}") from None
         except ShmcollError:
             pass  # the failed request holds it: raised below, as torch's error, once all are done
-        self._complete()
+        if not self._finished:  # (completed already by a callback, or an earlier wait)
+            self._complete()
         if self._error is not None:
             raise self._error
         return True

@@ -136,27 +136,32 @@ def _remember(rt: Runtime, coll: Collective, x: Any, out: Any, op: Any, root: An
     return b
 
 
-# What ``_lean`` holds for a remembered call that may not take the lean path (tensors, work after
-# the engine's, a trace, a dtype without an entry point): it matches no call, and is not promoted
+# What ``_lean`` holds for a remembered call that may not take the lean path (work after the
+# engine's, a trace, a dtype without an entry point): it matches no call, and is not promoted
 # again at every memo hit.
 NOT_LEAN = (object(),)
+# The identity of a remembered call that the methods' lean tests must not match, but whose record
+# a call the binder has just matched may use (Runtime._run, Runtime._start): a tensor's, whose
+# layout only the binder checks (tensors.layout_of). Seven objects that are no caller's argument.
+_MATCHES_NO_CALL = tuple(object() for _ in range(7))
 
 
 def _promote(rt: Runtime, code: int, m: Any) -> None:
     """Give a remembered call that was made again to the lean path (``Runtime._again``): plain
     numpy calls with no work after the engine's. Only at its second call, because its record
     costs about 3 us to make (numpy's ``ctypes.data``), which a call that never repeats (new
-    arrays every time) must not pay."""
-    _make_lean(rt, code, m[:7], m[7], m[8] is None)
+    arrays every time) must not pay. A tensor call gets the record under an identity that
+    matches no call (its layout is checked by the binder alone): the run loop and the queue use
+    it once the binder has matched the call (``Runtime._run``, ``Runtime._start``)."""
+    _make_lean(rt, code, m[:7] if m[8] is None else _MATCHES_NO_CALL, m[7])
 
 
-def _make_lean(rt: Runtime, code: int, identity: tuple[Any, ...], b: Any, eligible: bool) -> None:
+def _make_lean(rt: Runtime, code: int, identity: tuple[Any, ...], b: Any) -> None:
     """``rt._lean[code]``: the call's identity (the seven items the lean tests compare), then the
     entry point, the record's address, the bound call and the record; or :data:`NOT_LEAN` where
-    the call has work after the engine's, a trace is on, its dtype has no entry point, or the
-    caller says it is not ``eligible``."""
+    the call has work after the engine's, a trace is on, or its dtype has no entry point."""
     call = b[0]
-    enter = lean_entry(call.engine_dtype) if eligible and not call.finish and not rt._trace else None
+    enter = lean_entry(call.engine_dtype) if not call.finish and not rt._trace else None
     if enter is None:
         rt._lean[code] = NOT_LEAN
         return
@@ -561,4 +566,4 @@ def lean_barrier(rt: Runtime, b: Bound) -> None:
     compare, so its identity is empty. Without it a barrier paid numba's dispatch and the
     unboxing of three empty arrays at every call: 1.07 us at 2 ranks against an 8-byte
     allreduce's 0.70."""
-    _make_lean(rt, _BARRIER_CODE, (None,) * 7, b, True)
+    _make_lean(rt, _BARRIER_CODE, (None,) * 7, b)
