@@ -147,10 +147,11 @@ OVERSUBSCRIBED_HUGE_FROM = {"gather": 16 << 20, "alltoall": 16 << 20}
 
 
 # Where every rank's buffers are on huge pages (``Query.huge_pages``), ``auto`` runs cma from
-# huge_from(collective, n) on, up to HUGE_UNTIL, at up to HUGE_RANKS ranks. The kernel pins a
-# peer's pages one at a time before it copies, so from 4 KiB pages it copies at about half the
-# speed it reaches from 2 MiB ones, while the rings, copying with the CPU, barely notice: the race
-# of ``Query.cma_crossover`` runs on 4 KiB pages and says nothing about huge ones. Measured on the
+# huge_from(collective, n) on, up to HUGE_UNTIL (alltoall past it: HUGE_UNBOUNDED), at up to
+# HUGE_RANKS ranks. The kernel pins a peer's pages one at a time before it copies, so from 4 KiB
+# pages it copies at about half the speed it reaches from 2 MiB ones, while the rings, copying
+# with the CPU, barely notice: the race of ``Query.cma_crossover`` runs on 4 KiB pages and says
+# nothing about huge ones. Measured on the
 # 2-core Zen 5 VM (``benchmarks/RESULTS.md``, stops 37 and 38), cma's time over the fastest ring's:
 # - ``page_agreement.py --pages huge``, 3 launches, out of place: at 2 ranks 0.45-0.88 at
 #   256 KiB-1 MiB in every collective, 128 KiB 0.86-1.27, 32-64 KiB 1.3-2.5; at 4 ranks on 2
@@ -165,10 +166,24 @@ OVERSUBSCRIBED_HUGE_FROM = {"gather": 16 << 20, "alltoall": 16 << 20}
 #   from the peers: see _READ_FROM): at 2 ranks 0.52-0.94 at 4-8 MiB (reduce_scatter 0.97-0.99),
 #   and from 16 MiB, where the buffers outgrow the 32 MiB L3, allgather, alltoall, broadcast and
 #   gather lost (1.05-1.37) while scatter won (0.66-0.91) and allreduce and reduce_scatter tied.
-# So from 16 MiB the rules for unknown pages decide again.
+# So from 16 MiB the rules for unknown pages decide again, but for alltoall (HUGE_UNBOUNDED).
 # Above 4 ranks: not measured (no machine here has the cores).
 HUGE_UNTIL = 16 << 20
 HUGE_RANKS = 4
+# Collectives for which cma stays the choice on huge pages past HUGE_UNTIL, at every size. alltoall
+# at 2 ranks on numpy's buffers (mmapped from these sizes: huge pages), cma's time over
+# ``direct``'s in 6 launches alternating the two (``shmcoll bench -c alltoall -b 16M -e 256M -f 4
+# -a cma,direct`` and ``direct,cma``, stop 41): 16 MiB 0.64-0.85 in place and 0.63-0.84 out of
+# place in 5 launches (medians 0.77, 0.77), 64 MiB 0.64-0.70 and 0.61-0.79 (0.68, 0.68), 256 MiB
+# 0.63-0.68 and 0.66-0.77 (0.67, 0.73); in the sixth, where ``direct`` ran at nearly twice its
+# speed of the other five (the machine's spells move the rings' copies more than the kernel's),
+# 1.31, 1.01, 1.18, 0.97, 0.89, 0.96. At 4 ranks on 2 cores cma already ran from 16 MiB on huge
+# pages (OVERSUBSCRIBED_HUGE_FROM). The other collectives at 2 ranks, 16-256 MiB, same runs
+# (``-a cma,direct,ring``), cma over the faster ring, medians: allgather 1.17-1.22 out of place,
+# broadcast 1.02-1.23 at 16 MiB, gather 1.22-1.69 in place, reduce_scatter 0.98-1.28, allreduce
+# 0.91-1.20; scatter out of place 0.82-0.89 and broadcast in place 0.89 from 64 MiB, which lose
+# elsewhere (scatter in place at 16 MiB 1.17, broadcast in place at 16 MiB 1.23): left as they were.
+HUGE_UNBOUNDED = frozenset({"alltoall"})
 
 
 def huge_from(collective: str, world_size: int) -> int:
@@ -219,7 +234,12 @@ def reached(collective: str, at_root: bool, count: int, world_size: int) -> tupl
 def _on_huge_pages(query: Query, size: int) -> bool:
     """``Algorithm.auto_huge``: where cma is taken because every rank's buffers are on huge pages."""
     n = query.world_size
-    return bool(query.huge_pages) and n <= HUGE_RANKS and huge_from(query.collective, n) <= size < HUGE_UNTIL
+    return (
+        bool(query.huge_pages)
+        and n <= HUGE_RANKS
+        and huge_from(query.collective, n) <= size
+        and (size < HUGE_UNTIL or query.collective in HUGE_UNBOUNDED)
+    )
 
 
 def _below_crossover(query: Query, size: int) -> bool:

@@ -273,6 +273,7 @@ class Queue:
             if self._idle:
                 self._work.notify()
             return False
+        req._state = _RUNNING  # (``done`` is read without the lock; a restarted request was done)
         st = lean[0](lean[3])
         if st == OK:
             req._result = req._bound[3]
