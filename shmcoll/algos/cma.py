@@ -151,8 +151,8 @@ OVERSUBSCRIBED_HUGE_FROM = {"gather": 16 << 20, "alltoall": 16 << 20}
 # HUGE_RANKS ranks. The kernel pins a peer's pages one at a time before it copies, so from 4 KiB
 # pages it copies at about half the speed it reaches from 2 MiB ones, while the rings, copying
 # with the CPU, barely notice: the race of ``Query.cma_crossover`` runs on 4 KiB pages and says
-# nothing about huge ones. Measured on the
-# 2-core Zen 5 VM (``benchmarks/RESULTS.md``, stops 37 and 38), cma's time over the fastest ring's:
+# nothing about huge ones. Measured on the 2-core Zen 5 VM (``benchmarks/RESULTS.md``, stops 37
+# and 38), cma's time over the fastest ring's:
 # - ``page_agreement.py --pages huge``, 3 launches, out of place: at 2 ranks 0.45-0.88 at
 #   256 KiB-1 MiB in every collective, 128 KiB 0.86-1.27, 32-64 KiB 1.3-2.5; at 4 ranks on 2
 #   cores 0.65-0.87 at 1 MiB, at 512 KiB 0.79-0.98 but scatter and gather 1.3, at 128-256 KiB
