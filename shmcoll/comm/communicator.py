@@ -857,7 +857,10 @@ class Communicator(PersistentForms):
                 ``TypeError``. Errors between ranks come out of the request's ``wait()`` or
                 ``test()``.
         """
-        return self._start(bind.elementwise(self, _ALLREDUCE, x, out, op, 0, algorithm), timeout, "iallreduce")
+        r = self._start_again(_ALLREDUCE_CODE, x, out, op, 0, algorithm, timeout, "iallreduce")
+        if r is MISS:
+            r = self._start(bind.elementwise(self, _ALLREDUCE, x, out, op, 0, algorithm), timeout, "iallreduce")
+        return r  # type: ignore[no-any-return]
 
     def ireduce(
         self,
@@ -883,7 +886,10 @@ class Communicator(PersistentForms):
                 ``TypeError``. Errors between ranks come out of the request's ``wait()`` or
                 ``test()``.
         """
-        return self._start(bind.elementwise(self, _REDUCE, x, out, op, root, algorithm), timeout, "ireduce")
+        r = self._start_again(_REDUCE_CODE, x, out, op, root, algorithm, timeout, "ireduce")
+        if r is MISS:
+            r = self._start(bind.elementwise(self, _REDUCE, x, out, op, root, algorithm), timeout, "ireduce")
+        return r  # type: ignore[no-any-return]
 
     def ibroadcast(
         self,
@@ -908,7 +914,10 @@ class Communicator(PersistentForms):
                 ``TypeError``. Errors between ranks come out of the request's ``wait()`` or
                 ``test()``.
         """
-        return self._start(bind.elementwise(self, _BROADCAST, x, out, None, root, algorithm), timeout, "ibroadcast")
+        r = self._start_again(_BROADCAST_CODE, x, out, None, root, algorithm, timeout, "ibroadcast")
+        if r is MISS:
+            r = self._start(bind.elementwise(self, _BROADCAST, x, out, None, root, algorithm), timeout, "ibroadcast")
+        return r  # type: ignore[no-any-return]
 
     def iallgather(
         self, x: np.ndarray, *, out: np.ndarray | None = None, algorithm: str = "auto", timeout: float | None = None
@@ -927,7 +936,10 @@ class Communicator(PersistentForms):
                 ``TypeError``. Errors between ranks come out of the request's ``wait()`` or
                 ``test()``.
         """
-        return self._start(bind.gathering(self, _ALLGATHER, x, out, 0, algorithm), timeout, "iallgather")
+        r = self._start_again(_ALLGATHER_CODE, x, out, None, 0, algorithm, timeout, "iallgather")
+        if r is MISS:
+            r = self._start(bind.gathering(self, _ALLGATHER, x, out, 0, algorithm), timeout, "iallgather")
+        return r  # type: ignore[no-any-return]
 
     def igather(
         self,
@@ -952,7 +964,10 @@ class Communicator(PersistentForms):
                 ``TypeError``. Errors between ranks come out of the request's ``wait()`` or
                 ``test()``.
         """
-        return self._start(bind.gathering(self, _GATHER, x, out, root, algorithm), timeout, "igather")
+        r = self._start_again(_GATHER.code, x, out, None, root, algorithm, timeout, "igather")
+        if r is MISS:
+            r = self._start(bind.gathering(self, _GATHER, x, out, root, algorithm), timeout, "igather")
+        return r  # type: ignore[no-any-return]
 
     def iscatter(
         self,
@@ -977,7 +992,10 @@ class Communicator(PersistentForms):
                 ``TypeError``. Errors between ranks come out of the request's ``wait()`` or
                 ``test()``.
         """
-        return self._start(bind.scattering(self, _SCATTER, x, out, None, root, algorithm), timeout, "iscatter")
+        r = self._start_again(_SCATTER.code, x, out, None, root, algorithm, timeout, "iscatter")
+        if r is MISS:
+            r = self._start(bind.scattering(self, _SCATTER, x, out, None, root, algorithm), timeout, "iscatter")
+        return r  # type: ignore[no-any-return]
 
     def ireduce_scatter(
         self,
@@ -1003,7 +1021,14 @@ class Communicator(PersistentForms):
                 is ``TypeError``. Errors between ranks come out of the request's ``wait()`` or
                 ``test()``.
         """
-        return self._start(self._bind_reduce_scatter(x, op, counts, out, algorithm), timeout, "ireduce_scatter")
+        r = (
+            MISS
+            if counts is not None
+            else self._start_again(_REDUCE_SCATTER.code, x, out, op, 0, algorithm, timeout, "ireduce_scatter")
+        )
+        if r is MISS:
+            r = self._start(self._bind_reduce_scatter(x, op, counts, out, algorithm), timeout, "ireduce_scatter")
+        return r  # type: ignore[no-any-return,return-value]
 
     def ialltoall(
         self, x: np.ndarray, *, out: np.ndarray | None = None, algorithm: str = "auto", timeout: float | None = None
@@ -1022,7 +1047,10 @@ class Communicator(PersistentForms):
                 ``TypeError``. Errors between ranks come out of the request's ``wait()`` or
                 ``test()``.
         """
-        return self._start(bind.elementwise(self, _ALLTOALL, x, out, None, 0, algorithm), timeout, "ialltoall")
+        r = self._start_again(_ALLTOALL.code, x, out, None, 0, algorithm, timeout, "ialltoall")
+        if r is MISS:
+            r = self._start(bind.elementwise(self, _ALLTOALL, x, out, None, 0, algorithm), timeout, "ialltoall")
+        return r  # type: ignore[no-any-return]
 
     def iallgatherv(
         self,
@@ -1156,7 +1184,10 @@ class Communicator(PersistentForms):
                 ``TypeError``. Errors between ranks come out of the request's ``wait()`` or
                 ``test()``.
         """
-        return self._start(bind.elementwise(self, _SCAN, x, out, op, 0, algorithm), timeout, "iscan")
+        r = self._start_again(_SCAN.code, x, out, op, 0, algorithm, timeout, "iscan")
+        if r is MISS:
+            r = self._start(bind.elementwise(self, _SCAN, x, out, op, 0, algorithm), timeout, "iscan")
+        return r  # type: ignore[no-any-return]
 
     def iexscan(
         self,
@@ -1181,7 +1212,10 @@ class Communicator(PersistentForms):
                 ``TypeError``. Errors between ranks come out of the request's ``wait()`` or
                 ``test()``.
         """
-        return self._start(bind.elementwise(self, _EXSCAN, x, out, op, 0, algorithm), timeout, "iexscan")
+        r = self._start_again(_EXSCAN.code, x, out, op, 0, algorithm, timeout, "iexscan")
+        if r is MISS:
+            r = self._start(bind.elementwise(self, _EXSCAN, x, out, op, 0, algorithm), timeout, "iexscan")
+        return r  # type: ignore[no-any-return]
 
     def ibarrier(self, *, timeout: float | None = None) -> Request:
         """Start :meth:`barrier` and return at once.

@@ -180,6 +180,116 @@ def test_close_lets_started_operations_finish_first(pools) -> None:  # type: ign
     assert pools.get(2).run(_close_waits_for_started) == [True, True]
 
 
+def _i_forms_in_loops(comm):  # type: ignore[no-untyped-def]
+    """Each i-form started again and again on the same arrays: from its third start on it skips
+    the binder (Runtime._start_again), and every result is the exact one for its round's data;
+    a start whose arguments changed in any way the lean test compares is bound anew."""
+    from shmcoll.comm import bind
+
+    n, r = comm.world_size, comm.rank
+    bound = []
+    saved = {name: getattr(bind, name) for name in ("elementwise", "gathering", "scattering")}
+
+    def counting(name):  # type: ignore[no-untyped-def]
+        def f(rt, coll, *args):  # type: ignore[no-untyped-def]
+            bound.append(coll.name)
+            return saved[name](rt, coll, *args)
+
+        return f
+
+    x, y = np.empty(5, np.int64), np.empty(5, np.int64)
+    mine, blocks = np.empty(3, np.int32), np.empty((n, 3), np.int32)
+    stacked, a2a, row = np.empty((n, 3), np.int32), np.empty((n, 3), np.int32), np.empty((1, 3), np.int32)
+    wrong, per_round = [], []
+    try:
+        for name in saved:
+            setattr(bind, name, counting(name))
+        for k in range(5):
+            before = len(bound)
+            x[...] = r + k
+            comm.iallreduce(x, out=y).wait()
+            wrong += [] if (y == sum(q + k for q in range(n))).all() else [("iallreduce", k, y.tolist())]
+            x[...] = r * k
+            res = comm.ireduce(x, n - 1, out=y if r == n - 1 else None).wait()
+            if r == n - 1:
+                wrong += [] if (y == k * sum(range(n))).all() else [("ireduce", k, y.tolist())]
+            elif res is not None:
+                wrong.append(("ireduce off root returned", res))
+            mine[...] = r + 10 * k
+            comm.ibroadcast(mine, root=n - 1).wait()
+            wrong += [] if (mine == n - 1 + 10 * k).all() else [("ibroadcast", k, mine.tolist())]
+            mine[...] = r + 10 * k
+            comm.iallgather(mine, out=stacked).wait()
+            wrong += [] if (stacked[:, 0] == np.arange(n) + 10 * k).all() else [("iallgather", k)]
+            stacked[...] = -1
+            comm.igather(mine, root=0, out=stacked if r == 0 else None).wait()
+            if r == 0:
+                wrong += [] if (stacked[:, 0] == np.arange(n) + 10 * k).all() else [("igather", k)]
+            blocks[...] = np.arange(n)[:, None] * 100 + r + k
+            comm.ialltoall(blocks, out=a2a).wait()
+            wrong += [] if (a2a[:, 0] == 100 * r + np.arange(n) + k).all() else [("ialltoall", k, a2a.tolist())]
+            comm.ireduce_scatter(blocks, out=row).wait()
+            wrong += [] if (row == n * 100 * r + sum(range(n)) + n * k).all() else [("ireduce_scatter", k)]
+            comm.iscatter(blocks if r == 0 else None, out=mine, root=0).wait()
+            wrong += [] if (mine == 100 * r + k).all() else [("iscatter", k, mine.tolist())]
+            x[...] = r + 1 + k
+            comm.iscan(x, "sum", out=y).wait()
+            wrong += [] if (y == sum(q + 1 + k for q in range(r + 1))).all() else [("iscan", k, y.tolist())]
+            comm.iexscan(x, "max", out=y).wait()
+            wrong += [] if r == 0 or (y == r + k).all() else [("iexscan", k, y.tolist())]
+            per_round.append(bound[before:])
+        before = len(bound)
+        for k in range(4):  # (a collective's last call is remembered: in place in its own loop)
+            x[...] = r + k
+            comm.iallreduce(x, "max").wait()
+            wrong += [] if (x == n - 1 + k).all() else [("iallreduce in place", k, x.tolist())]
+        in_place = len(bound) - before
+        # Started behind pending operations, the lean starts keep their order.
+        x[...], mine[...] = r, r
+        first = comm.iallreduce(x, out=y)
+        second = comm.ibroadcast(mine, root=n - 1)
+        third = comm.iallgather(mine, out=stacked)
+        third.wait(), first.wait(), second.wait()
+        wrong += [] if (y == sum(range(n))).all() and (stacked == n - 1).all() else [("in order", y.tolist())]
+        before = len(bound)
+        # What the lean test compares: each change is bound anew.
+        comm.iallreduce(x, out=y, timeout=30).wait()  # a timeout given
+        comm.iallreduce(x, "min", out=y).wait()  # another op
+        comm.iallreduce(x, out=x).wait()  # another out
+        x.dtype = np.float64  # the same object, another dtype
+        out = y.view(np.float64)
+        x[...] = r + 0.5
+        comm.iallreduce(x, out=out).wait()
+        wrong += [] if (out == sum(q + 0.5 for q in range(n))).all() else [("dtype", out.tolist())]
+        comm.iallreduce(x, out=out).wait()  # found in the memo
+        comm.iallreduce(x, out=out).wait()  # lean, until its out is made read-only:
+        out.flags.writeable = False
+        try:
+            comm.iallreduce(x, out=out)
+            wrong.append("a read-only out was started")
+        except ValueError:
+            pass
+        changed = bound[before:]
+    finally:
+        for name, f in saved.items():
+            setattr(bind, name, f)
+    return r, wrong, per_round, in_place, changed
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_i_forms_started_again_skip_the_binder_and_stay_exact(pools, world_size) -> None:  # type: ignore[no-untyped-def]
+    for r, wrong, per_round, in_place, changed in pools.get(world_size).run(_i_forms_in_loops):
+        assert wrong == []
+        # Round 0 binds all ten, round 1 finds them in the binder's memo (which gives them their
+        # record), then none is bound but exscan on rank 0, whose result is written after the
+        # engine's call (no lean path, as for the blocking call).
+        assert [len(names) for names in per_round[:2]] == [10, 10]
+        assert per_round[2:] == [["exscan"] if r == 0 else []] * 3, per_round
+        assert in_place == 2
+        # a timeout, another op, another out, another dtype (then found in the memo), read-only
+        assert changed == ["allreduce"] * 6, changed
+
+
 def _i_form_in_a_loop(comm):  # type: ignore[no-untyped-def]
     # An i-form repeated on the same arrays takes the lean path (bind._promote); a small one then
     # runs at its start until its first wait (requests.Queue._admit), and its wait resumes it.
