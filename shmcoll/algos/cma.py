@@ -71,6 +71,7 @@ from shmcoll.algos import zerocopy
 from shmcoll.algos.registry import Query, register
 from shmcoll.plan.builder import Context, split
 from shmcoll.plan.ir import Buf, Region
+from shmcoll.shm.cma import NEVER
 
 
 def auto_from(world_size: int) -> int:
@@ -242,6 +243,26 @@ def _on_huge_pages(query: Query, size: int) -> bool:
     )
 
 
+# Past the race's ladder. The race exchanges blocks of up to 4 MiB (``shm.cma.LADDER_BYTES``),
+# whose calls fit in the 32 MiB L3; where the rings won at every block (``NEVER``), ``auto`` left
+# cma out at 2 ranks at every size, and there the race decides by what it never measured. On the
+# Zen 5 VM the race said so in 1 of 9 to 2 of 3 launches, and in those launches the rings lost
+# past the L3 where the copy collectives move each byte once by the kernel and twice through
+# them (``benchmarks/RESULTS.md``, stop 42): 2 ranks, the race forced to ``NEVER``, ``auto``
+# (the rings) / cma, median of 5 blocks: broadcast in place 16 MiB 2436 / 602 us, 64 MiB 9016 /
+# 4096, 256 MiB 30589 / 16944; allgather 16 MiB 2725 / 1742, 64 MiB 9236 / 8579, 256 MiB 32581 /
+# 36105; in copy_floor.py's launches where ``auto`` ran the rings, broadcast 16-256 MiB 1.6-11x
+# and allgather 16-64 MiB 1.2-2.4x slower than cma in the same launch. (alltoall: cma already
+# from 16 MiB on huge pages, which numpy's buffers of these sizes have, HUGE_UNBOUNDED; on 4 KiB
+# pages 2 of 2 ``shmcoll bench`` launches had it 1.02-1.25x faster than ``direct`` from 16 MiB.)
+# Below 16 MiB the race's verdict stands: on this VM the rings have won at 256 KiB-1 MiB in some
+# launches (stop 33) and lost in others (stop 42). So does it where the ranks agreed that their
+# buffers are on 4 KiB pages: there alltoall's cma was 1.2-1.3x slower than ``direct`` at 16-64
+# MiB (broadcast 0.8x, allgather 0.4x; one launch).
+PAST_LADDER = frozenset({"broadcast", "allgather", "alltoall"})
+PAST_LADDER_FROM = 16 << 20
+
+
 def _below_crossover(query: Query, size: int) -> bool:
     """Whether ``auto`` leaves a call of ``size`` bytes to the rings because this machine's two
     cores exchange blocks of its size faster through them than by the kernel
@@ -253,7 +274,8 @@ def _below_crossover(query: Query, size: int) -> bool:
     unless the ranks agreed that their buffers are not all on huge pages (``Query.huge_pages`` False):
     that table was measured on buffers of either page size, and on 4 KiB pages cma lost to the
     rings at every size there (4 ranks, 1.07-5.84x; stop 37). Never where :func:`_on_huge_pages`
-    holds. Not measured (0): the sizes of ``auto_from`` alone decide.
+    holds, nor for the copy collectives from 16 MiB at 2 ranks where the rings won every block the
+    race tried (:data:`PAST_LADDER`). Not measured (0): the sizes of ``auto_from`` alone decide.
 
     The race decides this rather than a fixed size, because where the kernel loses differs by
     machine more than any one figure can say (see ``shm/cma.py``): on the Zen 5 VM, at 2 ranks,
@@ -268,6 +290,14 @@ def _below_crossover(query: Query, size: int) -> bool:
     crossover = query.cma_crossover
     if crossover <= 0:
         return False
+    if (
+        crossover >= NEVER
+        and query.collective in PAST_LADDER
+        and query.world_size == 2
+        and size >= PAST_LADDER_FROM
+        and query.huge_pages is not False
+    ):
+        return False  # (past the race's ladder: see PAST_LADDER)
     start = query.world_size * crossover
     if query.cores and query.world_size > query.cores and query.huge_pages is not False:
         start = min(start, OVERSUBSCRIBED_FROM.get(query.collective, OVERSUBSCRIBED_DEFAULT))

@@ -161,8 +161,16 @@ def test_auto_weighs_cma_from_the_measured_crossover() -> None:
         assert not weighed(collective, 16 << 10, cma.LADDER_BYTES[0]), collective  # (below auto_from)
         # a crossover at 256 KiB: from 2 blocks of it at 2 ranks
         assert not weighed(collective, 256 << 10, 256 << 10) and weighed(collective, 512 << 10, 256 << 10), collective
-        # never: not at 2 ranks with 2 cores, whatever the size
-        assert not weighed(collective, 256 << 20, cma.NEVER), collective
+        # never: not at 2 ranks with 2 cores, whatever the size, but for the copy collectives
+        # past the race's ladder (cma_plans.PAST_LADDER): from 16 MiB
+        past = collective in cma_plans.PAST_LADDER
+        assert not weighed(collective, 8 << 20, cma.NEVER), collective
+        assert weighed(collective, 16 << 20, cma.NEVER) is past, collective
+        assert weighed(collective, 256 << 20, cma.NEVER) is past, collective
+        assert not weighed(collective, 256 << 20, cma.NEVER, n=3, cores=4), collective  # (measured at 2 ranks)
+        count = (16 << 20) // 4 // (1 if collective in ("broadcast", "allreduce") else 2)
+        small = Query(collective, 2, count, 4, cma=True, cma_crossover=cma.NEVER, cores=2, huge_pages=False)
+        assert not registry.get(collective, "cma").for_auto(small, 16 << 20), collective  # (known 4 KiB pages)
     # Ranks outnumbering cores: from the collective's OVERSUBSCRIBED_FROM at the latest (and never
     # below auto_from's sizes), whatever the race says
     assert not weighed("allgather", 2 << 20, cma.NEVER, n=4) and weighed("allgather", 4 << 20, cma.NEVER, n=4)
@@ -183,6 +191,13 @@ def test_auto_weighs_cma_from_the_measured_crossover() -> None:
     assert weighed("allgather", 1 << 20, 256 << 10, n=4, cores=8) and not weighed(
         "allgather", 512 << 10, 256 << 10, n=4, cores=8
     )
+    assert {"broadcast", "allgather", "alltoall"} == cma_plans.PAST_LADDER
+    for collective in cma_plans.PAST_LADDER:  # the model then takes cma there
+        count = (64 << 20) // 4 // (1 if collective == "broadcast" else 2)
+        q = Query(
+            collective, 2, count, 4, inplace=collective == "broadcast", cma=True, cma_crossover=cma.NEVER, cores=2
+        )
+        assert choose(q).name == "cma" and choose(dataclasses.replace(q, count=count // 8)).name != "cma", collective
     # The choice follows: the rings where cma is not weighed, one choice whatever a rank's in-place
     for inplace in (False, True):
         q = Query("alltoall", 2, 1 << 18, 4, inplace=inplace, cma=True, cma_crossover=cma.NEVER, cores=2)
