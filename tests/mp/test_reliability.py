@@ -116,6 +116,10 @@ def test_timeouts_are_validated_everywhere_they_are_given(bad, monkeypatch) -> N
 def _interrupted_between_parts(comm):  # type: ignore[no-untyped-def]
     """An exception that escapes half way through an object collective breaks the communicator
     on every rank, instead of leaving the ranks one call apart."""
+    # Both ranks make one first, so that rank 0's next one enters its first part at once: on a
+    # loaded machine the first call's setup outlasted the 0.3 s alarm, which then struck before
+    # any part had started (nothing communicated: not broken, and the barrier met rank 1's call).
+    comm.allgather_object("warm")
     if comm.rank == 0:
 
         def interrupt(signum, frame):  # type: ignore[no-untyped-def]
