@@ -255,12 +255,26 @@ def _on_huge_pages(query: Query, size: int) -> bool:
 # and allgather 16-64 MiB 1.2-2.4x slower than cma in the same launch. (alltoall: cma already
 # from 16 MiB on huge pages, which numpy's buffers of these sizes have, HUGE_UNBOUNDED; on 4 KiB
 # pages 2 of 2 ``shmcoll bench`` launches had it 1.02-1.25x faster than ``direct`` from 16 MiB.)
-# Below 16 MiB the race's verdict stands: on this VM the rings have won at 256 KiB-1 MiB in some
-# launches (stop 33) and lost in others (stop 42). So does it where the ranks agreed that their
-# buffers are on 4 KiB pages: there alltoall's cma was 1.2-1.3x slower than ``direct`` at 16-64
-# MiB (broadcast 0.8x, allgather 0.4x; one launch).
-PAST_LADDER = frozenset({"broadcast", "allgather", "alltoall"})
-PAST_LADDER_FROM = 16 << 20
+# Below 16 MiB the race's verdict stands for allgather and alltoall: on this VM the rings have
+# won at 256 KiB-1 MiB in some launches (stop 33) and lost in others (stop 42), and cma's lead
+# over the best ring at 1-8 MiB is thin (out of place, 21 launches of stop 43 on either page
+# size: medians 0.84-0.97 of the rings' time, the rings faster in 1-4 of them per size). So does
+# it where the ranks agreed that their buffers are on 4 KiB pages: there alltoall's cma was
+# 1.2-1.3x slower than ``direct`` at 16-64 MiB in a quiet spell (stop 42; stop 43: 1.15-1.52 in 2
+# of 5 launches, 0.39-0.51 in the other 3, where the rings ran at half their speed).
+# Broadcast weighs cma from 2 MiB, on any pages: its root writes a share into its peer while the
+# peer reads the rest, so two cores move each byte once, where the rings' pipeline moves it
+# twice (``_broadcast_skips``). Stop 43, 2 ranks, cma's time over the best ring's in the same
+# launch (``shmcoll bench -c broadcast -b 1M -e 16M -a all --both``, medians over launches):
+# numpy's buffers, 13 launches, in place 0.36-0.51 at 2-16 MiB (the rings faster in 1 launch at 2
+# MiB, 1.18, and 1 at 4, 1.02), out of place 0.57-0.69; 4 KiB pages (``--pages small``), 8
+# launches, in place 0.35-0.67, out of place 0.64-0.85, the rings faster in none. With the race
+# forced to ``NEVER``, 4 MiB in place, stop 42: the rings 477-2024 us, cma 129-193. At 1 MiB the
+# rings won out of place in 1 of 21 launches (1.21), and at 256 KiB by 2.8x in launches where the
+# race said so (stop 33): left to the race.
+PAST_LADDER_FROM = {"broadcast": 2 << 20, "allgather": 16 << 20, "alltoall": 16 << 20}
+PAST_LADDER = frozenset(PAST_LADDER_FROM)
+PAST_LADDER_ANY_PAGES = frozenset({"broadcast"})
 
 
 def _below_crossover(query: Query, size: int) -> bool:
@@ -274,8 +288,8 @@ def _below_crossover(query: Query, size: int) -> bool:
     unless the ranks agreed that their buffers are not all on huge pages (``Query.huge_pages`` False):
     that table was measured on buffers of either page size, and on 4 KiB pages cma lost to the
     rings at every size there (4 ranks, 1.07-5.84x; stop 37). Never where :func:`_on_huge_pages`
-    holds, nor for the copy collectives from 16 MiB at 2 ranks where the rings won every block the
-    race tried (:data:`PAST_LADDER`). Not measured (0): the sizes of ``auto_from`` alone decide.
+    holds, nor at 2 ranks for broadcast from 2 MiB and allgather and alltoall from 16 MiB, whatever
+    the race said (:data:`PAST_LADDER_FROM`). Not measured (0): the sizes of ``auto_from`` alone decide.
 
     The race decides this rather than a fixed size, because where the kernel loses differs by
     machine more than any one figure can say (see ``shm/cma.py``): on the Zen 5 VM, at 2 ranks,
@@ -290,14 +304,14 @@ def _below_crossover(query: Query, size: int) -> bool:
     crossover = query.cma_crossover
     if crossover <= 0:
         return False
+    past = PAST_LADDER_FROM.get(query.collective)
     if (
-        crossover >= NEVER
-        and query.collective in PAST_LADDER
+        past is not None
         and query.world_size == 2
-        and size >= PAST_LADDER_FROM
-        and query.huge_pages is not False
+        and size >= past
+        and (query.huge_pages is not False or query.collective in PAST_LADDER_ANY_PAGES)
     ):
-        return False  # (past the race's ladder: see PAST_LADDER)
+        return False  # (past the race's ladder, whatever it said: see PAST_LADDER_FROM)
     start = query.world_size * crossover
     if query.cores and query.world_size > query.cores and query.huge_pages is not False:
         start = min(start, OVERSUBSCRIBED_FROM.get(query.collective, OVERSUBSCRIBED_DEFAULT))

@@ -288,7 +288,7 @@ def describe_crossover(crossover: int) -> str:
         return (
             f"two cores exchange blocks of up to {top} faster through the rings "
             "(auto weighs cma only where ranks outnumber cores, for large calls, and at 2 ranks "
-            "for broadcasts, allgathers and alltoalls from 16M)"
+            "for broadcasts from 2M, allgathers and alltoalls from 16M)"
         )
     return (
         f"two cores exchange blocks from {format_size(crossover)} on no slower by the kernel "

@@ -162,15 +162,20 @@ def test_auto_weighs_cma_from_the_measured_crossover() -> None:
         # a crossover at 256 KiB: from 2 blocks of it at 2 ranks
         assert not weighed(collective, 256 << 10, 256 << 10) and weighed(collective, 512 << 10, 256 << 10), collective
         # never: not at 2 ranks with 2 cores, whatever the size, but for the copy collectives
-        # past the race's ladder (cma_plans.PAST_LADDER): from 16 MiB
+        # past the race's ladder (cma_plans.PAST_LADDER_FROM): broadcast from 2 MiB, allgather
+        # and alltoall from 16 MiB
         past = collective in cma_plans.PAST_LADDER
-        assert not weighed(collective, 8 << 20, cma.NEVER), collective
+        assert not weighed(collective, 1 << 20, cma.NEVER), collective
+        assert weighed(collective, 2 << 20, cma.NEVER) is (collective == "broadcast"), collective
+        assert weighed(collective, 8 << 20, cma.NEVER) is (collective == "broadcast"), collective
         assert weighed(collective, 16 << 20, cma.NEVER) is past, collective
         assert weighed(collective, 256 << 20, cma.NEVER) is past, collective
         assert not weighed(collective, 256 << 20, cma.NEVER, n=3, cores=4), collective  # (measured at 2 ranks)
         count = (16 << 20) // 4 // (1 if collective in ("broadcast", "allreduce") else 2)
         small = Query(collective, 2, count, 4, cma=True, cma_crossover=cma.NEVER, cores=2, huge_pages=False)
-        assert not registry.get(collective, "cma").for_auto(small, 16 << 20), collective  # (known 4 KiB pages)
+        # known 4 KiB pages: the race's verdict, but for broadcast (cma_plans.PAST_LADDER_ANY_PAGES)
+        on_small = registry.get(collective, "cma").for_auto(small, 16 << 20)
+        assert on_small is (collective == "broadcast"), collective
     # Ranks outnumbering cores: from the collective's OVERSUBSCRIBED_FROM at the latest (and never
     # below auto_from's sizes), whatever the race says
     assert not weighed("allgather", 2 << 20, cma.NEVER, n=4) and weighed("allgather", 4 << 20, cma.NEVER, n=4)
@@ -194,10 +199,12 @@ def test_auto_weighs_cma_from_the_measured_crossover() -> None:
     assert {"broadcast", "allgather", "alltoall"} == cma_plans.PAST_LADDER
     for collective in cma_plans.PAST_LADDER:  # the model then takes cma there
         count = (64 << 20) // 4 // (1 if collective == "broadcast" else 2)
-        q = Query(
-            collective, 2, count, 4, inplace=collective == "broadcast", cma=True, cma_crossover=cma.NEVER, cores=2
-        )
-        assert choose(q).name == "cma" and choose(dataclasses.replace(q, count=count // 8)).name != "cma", collective
+        below = count // 64 if collective == "broadcast" else count // 8  # (1 MiB, 8 MiB)
+        for inplace in (False, True):
+            q = Query(collective, 2, count, 4, inplace=inplace, cma=True, cma_crossover=cma.NEVER, cores=2)
+            assert choose(q).name == "cma" and choose(dataclasses.replace(q, count=below)).name != "cma", collective
+    # A race the kernel won only at its largest block: broadcast from 2 MiB all the same
+    assert weighed("broadcast", 2 << 20, cma.LADDER_BYTES[-1]) and not weighed("allgather", 4 << 20, cma.LADDER_BYTES[-1])
     # The choice follows: the rings where cma is not weighed, one choice whatever a rank's in-place
     for inplace in (False, True):
         q = Query("alltoall", 2, 1 << 18, 4, inplace=inplace, cma=True, cma_crossover=cma.NEVER, cores=2)
@@ -211,7 +218,7 @@ def test_auto_runs_cma_where_every_rank_is_on_huge_pages() -> None:
     before a tune table and whatever the race says, up to 16 MiB (alltoall at every size; from
     there at 4 ranks on 2 cores, the oversubscribed sizes, which huge pages bring down to 16 MiB
     for gather); known 4 KiB pages leave the rings to the race alone, without the oversubscribed
-    sizes."""
+    sizes (a 2-rank broadcast aside, ``PAST_LADDER_FROM``)."""
 
     def decided(collective: str, nbytes: int, huge: bool | None, n: int = 2, table: Any = None) -> tuple[str, str]:
         count = -(-nbytes // 4 // (n if collective not in ("broadcast", "allreduce") else 1))  # (at least nbytes)
@@ -229,7 +236,9 @@ def test_auto_runs_cma_where_every_rank_is_on_huge_pages() -> None:
             assert decided(collective, start, True, n) == ("cma", "pages"), (collective, n)
             assert decided(collective, start // 2, True, n)[1] != "pages", (collective, n)
             assert decided(collective, 8 << 20, True, n) == ("cma", "pages"), (collective, n)
-            assert decided(collective, 2 << 20, False, n)[0] != "cma", (collective, n)  # the race: never
+            # the race: never (but a 2-rank broadcast from 2 MiB, on any pages: cma_plans.PAST_LADDER_FROM)
+            on_small = decided(collective, 2 << 20, False, n)[0]
+            assert (on_small == "cma") is (collective == "broadcast" and n == 2), (collective, n)
         for n in (2, 4):  # (below: calls repeated with the same arrays take the lean path)
             assert decided(collective, 512 << 10, True, n)[1] != "pages", (collective, n)
         assert decided(collective, 2 << 20, True, n=8)[1] != "pages", collective  # not measured above 4
@@ -376,13 +385,15 @@ def test_ranks_agree_on_their_pages_before_a_call_whose_choice_hinges_on_them(ki
     between them."""
     results = run_ranks(_by_pages, len(kinds), kinds, timeout=120)
     everywhere = all(k == "huge" for k in kinds)
+    # allgather twice, alltoall, iallgather, broadcast_init twice (not at 2 ranks, where a broadcast
+    # of 2 MiB runs cma on any pages: cma_plans.PAST_LADDER_FROM); gather 3 + 1 from 4 MiB
+    agreed = 4 if len(kinds) == 2 else 6
     for ran, bad, kept in results:
         assert not bad and kept, (bad, kept)
-        # allgather twice, alltoall, iallgather, broadcast_init twice; gather 3 + 1 from 4 MiB
-        assert len(ran) == (10 if len(kinds) >= 4 else 6), ran
-        assert all(("algorithm=cma" in label) == everywhere for label in ran[:6]), ran
+        assert len(ran) == agreed + (4 if len(kinds) >= 4 else 0), ran
+        assert all(("algorithm=cma" in label) == everywhere for label in ran[:agreed]), ran
         # gather's peers write into the root's output alone: its pages decide
-        assert all(("algorithm=cma" in label) == (kinds[0] == "huge") for label in ran[6:]), ran
+        assert all(("algorithm=cma" in label) == (kinds[0] == "huge") for label in ran[agreed:]), ran
     assert len({tuple(ran) for ran, _, _ in results}) == 1  # every rank ran the same plans
 
 
