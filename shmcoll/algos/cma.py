@@ -71,7 +71,6 @@ from shmcoll.algos import zerocopy
 from shmcoll.algos.registry import Query, register
 from shmcoll.plan.builder import Context, split
 from shmcoll.plan.ir import Buf, Region
-from shmcoll.shm.cma import NEVER
 
 
 def auto_from(world_size: int) -> int:

@@ -204,7 +204,9 @@ def test_auto_weighs_cma_from_the_measured_crossover() -> None:
             q = Query(collective, 2, count, 4, inplace=inplace, cma=True, cma_crossover=cma.NEVER, cores=2)
             assert choose(q).name == "cma" and choose(dataclasses.replace(q, count=below)).name != "cma", collective
     # A race the kernel won only at its largest block: broadcast from 2 MiB all the same
-    assert weighed("broadcast", 2 << 20, cma.LADDER_BYTES[-1]) and not weighed("allgather", 4 << 20, cma.LADDER_BYTES[-1])
+    assert weighed("broadcast", 2 << 20, cma.LADDER_BYTES[-1]) and not weighed(
+        "allgather", 4 << 20, cma.LADDER_BYTES[-1]
+    )
     # The choice follows: the rings where cma is not weighed, one choice whatever a rank's in-place
     for inplace in (False, True):
         q = Query("alltoall", 2, 1 << 18, 4, inplace=inplace, cma=True, cma_crossover=cma.NEVER, cores=2)
