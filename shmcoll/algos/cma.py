@@ -256,8 +256,9 @@ def _on_huge_pages(query: Query, size: int) -> bool:
 # pages 2 of 2 ``shmcoll bench`` launches had it 1.02-1.25x faster than ``direct`` from 16 MiB.)
 # Below 16 MiB the race's verdict stands for allgather and alltoall: on this VM the rings have
 # won at 256 KiB-1 MiB in some launches (stop 33) and lost in others (stop 42), and cma's lead
-# over the best ring at 1-8 MiB is thin (out of place, 21 launches of stop 43 on either page
-# size: medians 0.84-0.97 of the rings' time, the rings faster in 1-4 of them per size). So does
+# over the best ring at 1-4 MiB is thin (out of place, 21 launches of stop 43 on either page
+# size: medians 0.84-0.97 of the rings' time, the rings faster in up to 2 per size; at 8 MiB on
+# 4 KiB pages the rings won, allgather 1.00 and alltoall 1.36). So does
 # it where the ranks agreed that their buffers are on 4 KiB pages: there alltoall's cma was
 # 1.2-1.3x slower than ``direct`` at 16-64 MiB in a quiet spell (stop 42; stop 43: 1.15-1.52 in 2
 # of 5 launches, 0.39-0.51 in the other 3, where the rings ran at half their speed).
