@@ -258,10 +258,11 @@ def _on_huge_pages(query: Query, size: int) -> bool:
 # won at 256 KiB-1 MiB in some launches (stop 33) and lost in others (stop 42), and cma's lead
 # over the best ring at 1-4 MiB is thin (out of place, 21 launches of stop 43 on either page
 # size: medians 0.84-0.97 of the rings' time, the rings faster in up to 2 per size; at 8 MiB on
-# 4 KiB pages the rings won, allgather 1.00 and alltoall 1.36). So does
-# it where the ranks agreed that their buffers are on 4 KiB pages: there alltoall's cma was
-# 1.2-1.3x slower than ``direct`` at 16-64 MiB in a quiet spell (stop 42; stop 43: 1.15-1.52 in 2
-# of 5 launches, 0.39-0.51 in the other 3, where the rings ran at half their speed).
+# 4 KiB pages the rings won, allgather 1.00 and alltoall 1.36). So does it where the ranks agreed
+# that their buffers are on 4 KiB pages: there alltoall's cma was 1.2-1.3x slower than ``direct``
+# at 16-64 MiB in a quiet spell (stop 42); at stop 43, 5 launches at 8-64 MiB out of place, cma
+# took 0.37-0.71 of the best ring's time at 24 of 40 points (allgather and alltoall) and 1.02-1.57
+# at the other 16, which launch won turning with the machine's spells.
 # Broadcast weighs cma from 2 MiB, on any pages: its root writes a share into its peer while the
 # peer reads the rest, so two cores move each byte once, where the rings' pipeline moves it
 # twice (``_broadcast_skips``). Stop 43, 2 ranks, cma's time over the best ring's in the same
@@ -273,7 +274,6 @@ def _on_huge_pages(query: Query, size: int) -> bool:
 # rings won out of place in 1 of 21 launches (1.21), and at 256 KiB by 2.8x in launches where the
 # race said so (stop 33): left to the race.
 PAST_LADDER_FROM = {"broadcast": 2 << 20, "allgather": 16 << 20, "alltoall": 16 << 20}
-PAST_LADDER = frozenset(PAST_LADDER_FROM)
 PAST_LADDER_ANY_PAGES = frozenset({"broadcast"})
 
 

@@ -164,7 +164,7 @@ def test_auto_weighs_cma_from_the_measured_crossover() -> None:
         # never: not at 2 ranks with 2 cores, whatever the size, but for the copy collectives
         # past the race's ladder (cma_plans.PAST_LADDER_FROM): broadcast from 2 MiB, allgather
         # and alltoall from 16 MiB
-        past = collective in cma_plans.PAST_LADDER
+        past = collective in cma_plans.PAST_LADDER_FROM
         assert not weighed(collective, 1 << 20, cma.NEVER), collective
         assert weighed(collective, 2 << 20, cma.NEVER) is (collective == "broadcast"), collective
         assert weighed(collective, 8 << 20, cma.NEVER) is (collective == "broadcast"), collective
@@ -196,8 +196,8 @@ def test_auto_weighs_cma_from_the_measured_crossover() -> None:
     assert weighed("allgather", 1 << 20, 256 << 10, n=4, cores=8) and not weighed(
         "allgather", 512 << 10, 256 << 10, n=4, cores=8
     )
-    assert {"broadcast", "allgather", "alltoall"} == cma_plans.PAST_LADDER
-    for collective in cma_plans.PAST_LADDER:  # the model then takes cma there
+    assert {"broadcast", "allgather", "alltoall"} == set(cma_plans.PAST_LADDER_FROM)
+    for collective in cma_plans.PAST_LADDER_FROM:  # the model then takes cma there
         count = (64 << 20) // 4 // (1 if collective == "broadcast" else 2)
         below = count // 64 if collective == "broadcast" else count // 8  # (1 MiB, 8 MiB)
         for inplace in (False, True):
