@@ -1,0 +1,129 @@
+"""How fast this machine's cores hand each other freshly written data, sampled over time.
+
+Every hand-off of shmcoll's rings, and most of a small or mid-sized call, is one core reading what
+another has just written. On the 2-core Zen 5 VMs these benchmarks ran on, that speed changed by
+up to 5x from minute to minute and between hosts (``benchmarks/RESULTS.md``, stops 43 and 44),
+while a copy on one core, or a kernel copy from a buffer nobody was writing, barely moved; so a
+figure of shmcoll's from 16 KiB to a few MiB says as much about the spell it ran in as about the
+code. Run this beside a benchmark to know the spell.
+
+One *round*: a thread on CPU ``a`` copies N bytes into a shared buffer and raises a flag; a thread
+on CPU ``b`` waits for it, copies the buffer out and answers; the first waits for the answer.
+Against it, the same two copies made by one thread (the *same core* column): the cost of the
+copies themselves. A round's figure is the median of ``--rounds`` rounds; a *sample* runs every
+size once; ``--samples`` samples are taken ``--every`` seconds apart.
+
+Run: ``python benchmarks/cross_core.py [--sizes 4K,64K,1M] [--samples 5 --every 2] [--cpus 0,1]``.
+Each line: sample, size, cross-core round (us), same-core round (us), their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+
+import numpy as np
+
+from shmcoll.jit import jit
+from shmcoll.shm.atomics import cpu_pause, load_acquire, monotonic_ns, move_bytes, store_release
+from shmcoll.units import format_size, parse_size
+
+_FLAG, _ANSWER = 0, 8  # words of the two threads' flags, a cache line apart
+
+
+@jit
+def _side(words, me, shared, private, nbytes, rounds, times):  # type: ignore[no-untyped-def]
+    """Thread ``me``'s part of ``rounds`` rounds (see the module doc); thread 0 writes each
+    round's nanoseconds into ``times``."""
+    for r in range(1, rounds + 1):
+        if me == 0:
+            t0 = monotonic_ns()
+            move_bytes(shared, private, nbytes)
+            store_release(words, _FLAG, r)
+            while load_acquire(words, _ANSWER) < r:
+                cpu_pause()
+            times[r - 1] = monotonic_ns() - t0
+        else:
+            while load_acquire(words, _FLAG) < r:
+                cpu_pause()
+            move_bytes(private, shared, nbytes)
+            store_release(words, _ANSWER, r)
+    return 0
+
+
+@jit
+def _alone(shared, private_in, private_out, nbytes, rounds, times):  # type: ignore[no-untyped-def]
+    """Both copies of a round made by one thread."""
+    for r in range(rounds):
+        t0 = monotonic_ns()
+        move_bytes(shared, private_in, nbytes)
+        move_bytes(private_out, shared, nbytes)
+        times[r] = monotonic_ns() - t0
+    return 0
+
+
+def _pinned(cpu: int, fn, *args) -> None:  # type: ignore[no-untyped-def]
+    """``fn(*args)`` with the calling thread on ``cpu`` alone (0: the calling thread, on Linux),
+    and on its own CPUs again after."""
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        fn(*args)
+    finally:
+        os.sched_setaffinity(0, own)
+
+
+def round_us(nbytes: int, rounds: int, cpus: tuple[int, int]) -> tuple[float, float]:
+    """(cross-core, same-core): median microseconds of a round of ``nbytes``."""
+    bufs = [np.ones(max(nbytes, 1), np.uint8) for _ in range(4)]  # (pages touched before timing)
+    shared, a_private, b_private, spare = (b.ctypes.data for b in bufs)
+    words = np.zeros(16, np.int64)
+    cross = np.zeros(rounds, np.int64)
+    other = threading.Thread(target=_pinned, args=(cpus[1], _side, words, 1, shared, b_private, nbytes, rounds, cross))
+    other.start()
+    _pinned(cpus[0], _side, words, 0, shared, a_private, nbytes, rounds, cross)
+    other.join()
+    same = np.zeros(rounds, np.int64)
+    _alone(shared, a_private, spare, nbytes, rounds, same)
+    return float(np.median(cross)) / 1e3, float(np.median(same)) / 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="4K,64K,1M")
+    ap.add_argument("--rounds", type=int, default=2000, help="rounds per size at 4 KiB (fewer for larger sizes)")
+    ap.add_argument("--samples", type=int, default=1)
+    ap.add_argument("--every", type=float, default=2.0, help="seconds between samples")
+    ap.add_argument("--cpus", default="", help="the two CPUs, e.g. 0,1 (default: the first two this process may use)")
+    args = ap.parse_args(argv)
+    allowed = sorted(os.sched_getaffinity(0))
+    cpus = tuple(int(c) for c in args.cpus.split(",")) if args.cpus else tuple(allowed[:2])
+    if len(cpus) != 2 or cpus[0] == cpus[1] or not set(cpus) <= set(allowed):
+        print(f"cross_core.py: needs two different CPUs this process may use (it may use {allowed})", file=sys.stderr)
+        return 2
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    print(f"# cpus {cpus[0]} and {cpus[1]}; a round: copy in on one, copy out on the other (median us)")
+    print(f"{'sample':>6} {'size':>8} {'cross-core':>11} {'same-core':>10} {'ratio':>6}")
+    per_size: dict[int, list[float]] = {}
+    for sample in range(args.samples):
+        if sample:
+            time.sleep(args.every)
+        for nbytes in sizes:
+            rounds = max(20, args.rounds * 4096 // max(nbytes, 4096))
+            cross, same = round_us(nbytes, rounds, cpus)  # type: ignore[arg-type]
+            per_size.setdefault(nbytes, []).append(cross)
+            ratio = cross / same if same > 0 else float("inf")
+            print(f"{sample + 1:>6} {format_size(nbytes):>8} {cross:>11.2f} {same:>10.2f} {ratio:>6.2f}", flush=True)
+    if args.samples > 1:
+        for nbytes, xs in per_size.items():
+            spread, mid = f"{min(xs):.2f}-{max(xs):.2f}", statistics.median(xs)
+            print(f"# {format_size(nbytes)}: cross-core {spread} us over {len(xs)} samples, median {mid:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
