@@ -260,13 +260,41 @@ def crossover_bytes() -> int:
     counts when the kernel wins two races in a row there, and a race it won because another
     process held one of the cores a moment is run again after a pause. With one core to run on,
     the smallest: every hand-off of the rings then waits for the scheduler, and a kernel copy waits
-    for no one.
+    for no one. A ladder that finds the kernel slower at the smallest block is climbed again
+    after :data:`_AGAIN_AFTER_S`, and the smaller answer stands (see there).
     Measured once per process (on a 2-core VM the first size's two races took about 2 ms, the
-    whole ladder 12-35 ms); the answer is kept for the process's life."""
+    whole ladder 7-36 ms); the answer is kept for the process's life."""
     if not probe()[0]:
         return 0
     if len(os.sched_getaffinity(0)) < 2:
         return LADDER_BYTES[0]
+    first = _ladder()
+    if first == LADDER_BYTES[0]:
+        return first
+    time.sleep(_AGAIN_AFTER_S)
+    return min(first, _ladder())
+
+
+# A ladder whose answer is not the smallest block is climbed again after this long. On the 2-core
+# Zen 5 VMs the answer of a process's first ladder is a moment's: right after a process starts
+# the machine's two virtual cores can share one physical core's caches (a copy from one to the
+# other of 1 MiB then took 47 us, as on one core, against 100-170 us, and 500-630 in the slowest
+# spells), which the rings' hand-offs love, and the kernel lost every block of the ladder
+# (kernel/rings 2.2 at 16 KiB, 1.3 at 1 MiB) in 6 of 80 fresh processes and won from 64 KiB-4 MiB
+# in 4 more; climbed again 50 ms later, 3 of those 6 said "never" still and 3 of the 4 said 16
+# KiB, and 250 ms after that every one said 16 KiB. Ranks run on long after that moment: in the same
+# minutes, ``auto`` with the answer forced to "never" against "from 16 KiB", in launches taking
+# turns, took 1.03-2.29x the time at 256 KiB-1 MiB in allreduce, allgather, alltoall, broadcast
+# and scatter, and 1.21-2.10x at 4 MiB in allreduce, alltoall and scatter, where the rings won
+# allgather at 4 MiB (0.69-0.83) and reduce_scatter from 4 MiB (0.82-0.91) (``benchmarks/RESULTS.md``,
+# stop 44). Where the rings do win (another Zen 5 VM:
+# kernel/rings 1.6-4.3 at every block in 11 ladders, stop 33) the second ladder says so again,
+# and a launch there takes this much longer.
+_AGAIN_AFTER_S = 0.25
+
+
+def _ladder() -> int:
+    """One climb of :data:`LADDER_BYTES` (see :func:`crossover_bytes`)."""
     for nbytes in LADDER_BYTES:
         reps = max(1, (1 << 20) // nbytes)
         # A win must hold twice: where the second thread shares the first one's core (another

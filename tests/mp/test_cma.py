@@ -546,6 +546,36 @@ def test_a_kernel_win_over_contended_rings_is_raced_again(monkeypatch: pytest.Mo
     assert not cma._kernel_wins(1 << 20, 1) and not races
 
 
+def test_a_ladder_that_finds_the_rings_faster_is_climbed_again_and_the_smaller_answer_stands(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Right after a process starts, two virtual cores can share one physical core's caches for a
+    moment, and the race then finds the rings faster at every block: the ladder is climbed again
+    a little later (cma._AGAIN_AFTER_S), and the smaller of the two answers stands."""
+    ladders: list[int] = []
+    slept: list[float] = []
+    monkeypatch.setattr(cma, "probe", lambda: (True, "on"))
+    monkeypatch.setattr(cma.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(cma, "_ladder", lambda: ladders.pop(0))
+    monkeypatch.setattr(cma.time, "sleep", slept.append)
+    smallest = cma.LADDER_BYTES[0]
+    cases = [
+        ([smallest], smallest, 0),  # the smallest block at once: no second climb
+        ([cma.NEVER, smallest], smallest, 1),
+        ([cma.NEVER, cma.NEVER], cma.NEVER, 1),  # a machine whose rings do win says so twice
+        ([64 << 10, cma.NEVER], 64 << 10, 1),
+        ([1 << 20, 256 << 10], 256 << 10, 1),
+    ]
+    try:
+        for answers, want, climbs_again in cases:
+            ladders[:], slept[:] = answers, []
+            cma.crossover_bytes.cache_clear()
+            assert cma.crossover_bytes() == want, answers
+            assert not ladders and slept == [cma._AGAIN_AFTER_S] * climbs_again, answers
+    finally:
+        cma.crossover_bytes.cache_clear()
+
+
 @permitted
 def test_the_race_runs_on_4k_pages_whatever_numpy_would_give(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel copies faster from huge pages, which np.ones gave the race's 4 MiB rung (numpy
