@@ -33,23 +33,36 @@ from shmcoll.shm.atomics import cpu_pause, load_acquire, monotonic_ns, move_byte
 from shmcoll.units import format_size, parse_size
 
 _FLAG, _ANSWER = 0, 8  # words of the two threads' flags, a cache line apart
+_GIVE_UP_NS = 10_000_000_000  # a wait for the other thread this long: it is not running
+
+
+@jit
+def _wait_for(words, word, target, since):  # type: ignore[no-untyped-def]
+    """Wait until ``words[word] >= target``; False if the wait outlasts :data:`_GIVE_UP_NS` from ``since``."""
+    n = 0
+    while load_acquire(words, word) < target:
+        cpu_pause()
+        n += 1
+        if n % 4096 == 0 and monotonic_ns() - since > _GIVE_UP_NS:
+            return False
+    return True
 
 
 @jit
 def _side(words, me, shared, private, nbytes, rounds, times):  # type: ignore[no-untyped-def]
     """Thread ``me``'s part of ``rounds`` rounds (see the module doc); thread 0 writes each
-    round's nanoseconds into ``times``."""
+    round's nanoseconds into ``times``. Returns -1 where the other thread never answered."""
     for r in range(1, rounds + 1):
+        t0 = monotonic_ns()
         if me == 0:
-            t0 = monotonic_ns()
             move_bytes(shared, private, nbytes)
             store_release(words, _FLAG, r)
-            while load_acquire(words, _ANSWER) < r:
-                cpu_pause()
+            if not _wait_for(words, _ANSWER, r, t0):
+                return -1
             times[r - 1] = monotonic_ns() - t0
         else:
-            while load_acquire(words, _FLAG) < r:
-                cpu_pause()
+            if not _wait_for(words, _FLAG, r, t0):
+                return -1
             move_bytes(private, shared, nbytes)
             store_release(words, _ANSWER, r)
     return 0
@@ -66,15 +79,18 @@ def _alone(shared, private_in, private_out, nbytes, rounds, times):  # type: ign
     return 0
 
 
-def _pinned(cpu: int, fn, *args) -> None:  # type: ignore[no-untyped-def]
+def _pinned(cpu: int, fn, *args, results: list[int] | None = None) -> int:  # type: ignore[no-untyped-def]
     """``fn(*args)`` with the calling thread on ``cpu`` alone (0: the calling thread, on Linux),
-    and on its own CPUs again after."""
+    and on its own CPUs again after; what it returned, appended to ``results`` too."""
     own = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {cpu})
     try:
-        fn(*args)
+        got = int(fn(*args))
     finally:
         os.sched_setaffinity(0, own)
+    if results is not None:
+        results.append(got)
+    return got
 
 
 def round_us(nbytes: int, rounds: int, cpus: tuple[int, int]) -> tuple[float, float]:
@@ -83,10 +99,16 @@ def round_us(nbytes: int, rounds: int, cpus: tuple[int, int]) -> tuple[float, fl
     shared, a_private, b_private, spare = (b.ctypes.data for b in bufs)
     words = np.zeros(16, np.int64)
     cross = np.zeros(rounds, np.int64)
-    other = threading.Thread(target=_pinned, args=(cpus[1], _side, words, 1, shared, b_private, nbytes, rounds, cross))
+    theirs: list[int] = []
+    args = (cpus[1], _side, words, 1, shared, b_private, nbytes, rounds, cross)
+    other = threading.Thread(target=_pinned, args=args, kwargs={"results": theirs}, daemon=True)
     other.start()
-    _pinned(cpus[0], _side, words, 0, shared, a_private, nbytes, rounds, cross)
-    other.join()
+    mine = _pinned(cpus[0], _side, words, 0, shared, a_private, nbytes, rounds, cross)
+    other.join(timeout=_GIVE_UP_NS / 1e9 + 5)
+    if mine != 0 or theirs != [0]:
+        raise RuntimeError(
+            f"cross_core.py: the thread on cpu {cpus[1]} did not answer within {_GIVE_UP_NS / 1e9:.0f} s"
+        )
     same = np.zeros(rounds, np.int64)
     _alone(shared, a_private, spare, nbytes, rounds, same)
     return float(np.median(cross)) / 1e3, float(np.median(same)) / 1e3

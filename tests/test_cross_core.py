@@ -37,16 +37,28 @@ def test_a_round_hands_the_bytes_over() -> None:
     words = np.zeros(16, np.int64)
     src, shared, dst = np.arange(4096, dtype=np.uint8), np.zeros(4096, np.uint8), np.zeros(4096, np.uint8)
     times = np.zeros(3, np.int64)
-    side = cross_core._side
+    side, theirs = cross_core._side, []
     b = (cpus[1], side, words, 1, shared.ctypes.data, dst.ctypes.data, 4096, 3, times)
-    other = threading.Thread(target=cross_core._pinned, args=b)
+    other = threading.Thread(target=cross_core._pinned, args=b, kwargs={"results": theirs}, daemon=True)
     other.start()
-    cross_core._pinned(cpus[0], side, words, 0, shared.ctypes.data, src.ctypes.data, 4096, 3, times)
+    mine = cross_core._pinned(cpus[0], side, words, 0, shared.ctypes.data, src.ctypes.data, 4096, 3, times)
     other.join(timeout=30)
-    assert not other.is_alive()
+    assert mine == 0 and theirs == [0]
     assert np.array_equal(dst, src) and (times > 0).all()
     assert cross_core.round_us(4096, 5, cpus)[0] > 0
     assert os.sched_getaffinity(0) >= set(cpus)  # (this thread's CPUs given back)
+
+
+def test_a_thread_that_never_answers_is_given_up_on() -> None:
+    """A round whose other thread never runs ends (within _GIVE_UP_NS), not hangs: -1."""
+    cross_core = scripts.load("cross_core")
+    words, times = np.zeros(16, np.int64), np.zeros(1, np.int64)
+    buf = np.zeros(64, np.uint8)
+    # the other thread "answered" round 0 only: thread 0 waits for round 1's answer, from a start
+    # long enough ago that the first look at the clock gives up
+    assert cross_core._wait_for(words, cross_core._ANSWER, 1, -(10**12)) is False
+    words[cross_core._ANSWER] = 1
+    assert cross_core._side(words, 0, buf.ctypes.data, buf.ctypes.data, 64, 1, times) == 0
 
 
 def test_two_cpus_it_may_not_use_are_refused() -> None:
