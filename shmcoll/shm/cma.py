@@ -277,9 +277,9 @@ def crossover_bytes() -> int:
 
 # A ladder whose answer is not the smallest block is climbed again after this long. On the 2-core
 # Zen 5 VMs the answer of a process's first ladder is a moment's: right after a process starts
-# the machine's two virtual cores can share one physical core's caches (a copy from one to the
-# other of 1 MiB then took 47 us, as on one core, against 100-170 us, and 500-630 in the slowest
-# spells), which the rings' hand-offs love, and the kernel lost every block of the ladder
+# the machine's two virtual cores can act for a moment as if they shared one physical core's
+# caches (a copy from one to the other of 1 MiB then took 47 us, as on one core, against 100-170
+# us, and 500-630 in the slowest spells), which the rings' hand-offs love, and the kernel lost every block of the ladder
 # (kernel/rings 2.2 at 16 KiB, 1.3 at 1 MiB) in 6 of 80 fresh processes and won from 64 KiB-4 MiB
 # in 4 more; climbed again 50 ms later, 3 of those 6 said "never" still and 3 of the 4 said 16
 # KiB, and 250 ms after that every one said 16 KiB. Ranks run on long after that moment: in the same

@@ -549,8 +549,8 @@ def test_a_kernel_win_over_contended_rings_is_raced_again(monkeypatch: pytest.Mo
 def test_a_ladder_that_finds_the_rings_faster_is_climbed_again_and_the_smaller_answer_stands(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Right after a process starts, two virtual cores can share one physical core's caches for a
-    moment, and the race then finds the rings faster at every block: the ladder is climbed again
+    """Right after a process starts, two virtual cores can act for a moment as if they shared one
+    physical core's caches, and the race then finds the rings faster at every block: the ladder is climbed again
     a little later (cma._AGAIN_AFTER_S), and the smaller of the two answers stands."""
     ladders: list[int] = []
     slept: list[float] = []
