@@ -29,6 +29,7 @@ import numba
 import numba.core.cpu
 import numpy as np
 from numba.core import event, types
+from numba.core.compiler_lock import global_compiler_lock
 
 from shmcoll import config
 from shmcoll._version import __version__
@@ -95,7 +96,9 @@ class _Announcer(event.Listener):
 
     def __init__(self) -> None:
         self.ours: set[int] = set()  # ids of the dispatchers :func:`jit` made (they live forever)
-        self.depth = 0  # compiles run under numba's global compiler lock: one thread at a time
+        # Every field is touched under numba's global compiler lock (numba's events fire inside
+        # it, :func:`_retrying` holds it around ``finished``), so by one thread at a time.
+        self.depth = 0
         self.lock: int | None = None  # the lock file's descriptor while this process compiles
         self.kind: str | None = None  # what the compile under way is for (see :func:`payload_dtype`)
         self.busy = False  # between the outermost compile's start and its finish (on_compile)
@@ -194,16 +197,21 @@ def _retrying(dispatcher: Any) -> None:
     compile_here = dispatcher.compile
 
     def compile(sig: Any) -> Any:
-        while True:
-            try:
-                result = compile_here(sig)
-            except _Retry:
-                continue
-            except BaseException:
-                _ANNOUNCER.finished(ok=False)
-                raise
-            _ANNOUNCER.finished(ok=True)
-            return result
+        # Under numba's (reentrant) global compiler lock, which numba takes inside anyway: with
+        # only numba's, a second thread's compile could start between the first one's return and
+        # its ``finished``, and the two would share the announcer's depth and lock file (two
+        # threads making the first call of a kernel at once: EBADF or a wait for ever).
+        with global_compiler_lock:
+            while True:
+                try:
+                    result = compile_here(sig)
+                except _Retry:
+                    continue
+                except BaseException:
+                    _ANNOUNCER.finished(ok=False)
+                    raise
+                _ANNOUNCER.finished(ok=True)
+                return result
 
     dispatcher.compile = compile
 

@@ -345,6 +345,48 @@ def test_processes_that_miss_the_cache_together_compile_once(tmp_path) -> None: 
     assert said.count("compiling kernels for float32") == 1 and said.count("compiling kernels (") == 1, errs
 
 
+_THREADS_COMPILE = """
+import importlib.util, os, sys, threading
+import numpy as np
+kernels = "from shmcoll.jit import jit\\n" + "".join(
+    f"@jit\\ndef f{i}(a):\\n    s = 0.0\\n    for v in a:\\n        s += v * {i}\\n    return s\\n" for i in range(8)
+)
+path = os.path.join(sys.argv[1], "kernels.py")
+open(path, "w").write(kernels)
+spec = importlib.util.spec_from_file_location("kernels", path)
+m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m)
+errors = []
+def first_call(i, start):
+    start.wait()
+    try:
+        assert getattr(m, f"f{i}")(np.ones(3)) == 3 * i
+    except BaseException as exc:
+        errors.append(repr(exc))
+for i in range(8):
+    start = threading.Barrier(2)
+    threads = [threading.Thread(target=first_call, args=(i, start), daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), f"f{i}: a thread still compiles after 60 s"
+assert not errors, errors
+"""
+
+
+def test_two_threads_making_a_kernels_first_call_at_once_both_get_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The compile announcer's state (its depth, the lock file's descriptor) is per process; a
+    second thread's compile that started between the first one's return and its bookkeeping
+    shared it, and one of them failed (``OSError: [Errno 9] Bad file descriptor``, 1-4 of 12
+    kernels here) or could wait for ever. A fresh cache, so that every first call compiles."""
+    env = {**os.environ, "SHMCOLL_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _THREADS_COMPILE, str(tmp_path)], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_payload_dtype() -> None:
     from numba import types
 
