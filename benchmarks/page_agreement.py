@@ -92,7 +92,7 @@ def _worker(comm, collectives: list[str], sizes: list[int], kinds: list[str], ca
                 run = _call(comm, collective, nbytes, kind)
                 run("auto")
                 call = _shape(comm, collective, nbytes)
-                huge = call.other if call.measured is None else None  # (a measured shape's other is no huge-page plan)
+                huge = call.huge
                 code = KIND_CODE[collective]
                 cases = ("auto", "unaware", "cma") if comm.world_size > 1 else ("auto", "unaware")
                 times: dict[str, list[float]] = {name: [] for name in cases}
@@ -100,8 +100,7 @@ def _worker(comm, collectives: list[str], sizes: list[int], kinds: list[str], ca
                     # auto and unaware take turns going first, and cma goes last: a call after
                     # another algorithm's finds the caches as that one left them.
                     for name in (cases[1], cases[0], *cases[2:]) if block % 2 else cases:
-                        if huge is not None:
-                            call.other = None if name == "unaware" else huge
+                        call.huge = None if name == "unaware" else huge
                         # (and the call bound anew: a call remembered while detached would take
                         # the lean path, which a call shape with a huge-page plan never does)
                         comm._memo[code] = comm._lean[code] = None
@@ -114,8 +113,7 @@ def _worker(comm, collectives: list[str], sizes: list[int], kinds: list[str], ca
                             run(algorithm)
                         if block >= 0:
                             times[name].append((time.perf_counter() - t0) / calls)
-                if huge is not None:
-                    call.other = huge
+                call.huge = huge
                 key = f"{kind} {collective} {format_size(nbytes)}"
                 plans = [_algorithm(call), _algorithm(huge) if huge is not None else None]
                 report[key] = {"plans": plans, "times": times}

@@ -411,37 +411,6 @@ def decide(
     return Decision(candidates[0], "fallback", "no prediction for any candidate")
 
 
-# From this call size (call_size) the ranks of a call for which auto weighs cross-memory attach
-# time it against the rings at every call and run the faster (rival; comm.measured). Below, a
-# call takes under ~30 us here, and the choice is the launch's race's (cma.crossover_bytes).
-MEASURED_FROM = 4 << 20
-
-
-def rival(
-    query: Query, *, slot_bytes: int | None = None, nslots: int | None = None, group_size: int | None = None
-) -> Algorithm | None:
-    """The algorithm the ranks of an ``auto`` call time against ``auto``'s pick and run instead
-    where every rank finds it faster (:mod:`shmcoll.comm.measured`): from :data:`MEASURED_FROM`
-    bytes where ranks may read each other's memory, ``cma`` where ``auto`` picks another (even
-    below the size from which it weighs ``cma``: the race that set it is a snapshot), and where
-    it picks ``cma``, its pick without it. None where none is timed: smaller calls, one rank,
-    ``cma`` not permitted, a choice that ``SHMCOLL_ALGO`` or the ranks' pages made, or ``cma``
-    unable to serve the call (arguments as :func:`choose`'s; rank-independent like it)."""
-    if not query.cma or query.world_size < 2 or call_size(query) < MEASURED_FROM:
-        return None
-    cfg = config.get()
-    key = dataclasses.replace(query, inplace=False)
-    groups = cfg.group_size if group_size is None else group_size
-    decision = _decide_cached(key, cfg.algo, cfg.tune_file, slot_bytes, nslots, groups)
-    if decision.reason in ("override", "pages"):
-        return None
-    if decision.algorithm.name != "cma":
-        candidates, _ = _candidates(key)
-        return next((a for a in candidates if a.name == "cma"), None)
-    without = _decide_cached(dataclasses.replace(key, cma=False), cfg.algo, cfg.tune_file, slot_bytes, nslots, groups)
-    return without.algorithm
-
-
 @functools.lru_cache(maxsize=4096)
 def _decide_cached(
     query: Query, overrides: str, tune_file: str, slot_bytes: int | None, nslots: int | None, group_size: int | None

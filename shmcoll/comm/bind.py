@@ -166,7 +166,7 @@ def _make_lean(rt: Runtime, code: int, identity: tuple[Any, ...], b: Any) -> Non
         rt._lean[code] = NOT_LEAN
         return
     record = engine.record_for(call.start, b[1], b[2])
-    if call.other is not None:  # the ranks agree on one of two plans first (comm.pages)
+    if call.huge is not None:  # the ranks agree on their pages first (comm.pages)
         enter = pages.lean(rt, b, enter, record)
     rt._lean[code] = (*identity, enter, record.ctypes.data, b, record)
 
@@ -180,8 +180,8 @@ def lean_run(rt: Runtime, b: Any) -> tuple[Any, ...] | None:
     if type(b) is not tuple or b[1] is None or b[5] is not None or rt._trace:
         return None
     call = b[0]
-    # (a call shape whose ranks agree on one of two plans first runs through the run loop: comm.pages)
-    enter = lean_entry(call.engine_dtype) if not call.finish and call.other is None else None
+    # (a call shape whose ranks agree on their pages first runs through the run loop: comm.pages)
+    enter = lean_entry(call.engine_dtype) if not call.finish and call.huge is None else None
     if enter is None:
         return None
     record = engine.record_for(call.start, b[1], b[2])

@@ -24,9 +24,8 @@ from shmcoll import collectives
 from shmcoll.algos import cma as cma_plans
 from shmcoll.algos import registry
 from shmcoll.algos.registry import ALGORITHM_NAMES, Query
-from shmcoll.algos.select import call_size, choose, rival
+from shmcoll.algos.select import choose
 from shmcoll.comm import arrays, groups
-from shmcoll.comm.measured import Measured
 from shmcoll.engine import cpu as engine
 from shmcoll.plan import ir
 from shmcoll.plan.passes import plan_call
@@ -55,13 +54,11 @@ class Call:
     ``fill`` is set where the plan leaves the result alone but the method defines it: an
     exscan's rank 0, whose result is the op's identity.
 
-    ``other`` is set where ranks agree before each call on which of two plans to run
-    (:mod:`shmcoll.comm.pages`): the call shape every rank runs instead where all of them vote for
-    it. Either ``auto``'s choice depends on the page size of the ranks' buffers (``other`` is the
-    plan for huge pages; ``reached`` says which of this rank's buffers the peers reach in it,
-    input and output, and ``seen`` what this rank's buffers were at its last call), or the ranks
-    time both plans and vote for the faster (``measured``, :mod:`shmcoll.comm.measured`; both
-    shapes hold it).
+    ``huge`` is set where ``auto``'s choice depends on the page size of the ranks' buffers: the
+    call shape every rank runs instead when all of them are on huge pages (the ranks agree on it
+    before each call: :mod:`shmcoll.comm.pages`), ``reached`` which of this rank's buffers the
+    peers reach in that plan (input, output), and ``seen`` what this rank's buffers were at its
+    last call.
 
     ``engine_dtype`` is what the engine moves and reduces (bool as uint8, float16 and bfloat16 as
     float32 when it reduces, else as uint16); ``widened`` marks a float16 or bfloat16 reduction,
@@ -94,8 +91,7 @@ class Call:
         "varying",
         "fill",
         "finish",
-        "other",
-        "measured",
+        "huge",
         "reached",
         "seen",
         "agreed",
@@ -142,12 +138,10 @@ class Call:
         self.varying = varying  # messages are tagged with their block's count (comm.failures.fail_counts)
         self.fill = fill  # exscan's rank 0: the result is the op's identity, written after the call
         self.finish = self.special or fill is not None  # the run loop has work after the engine's
-        # Where the ranks agree on one of two plans before each call (comm.pages): the call shape
-        # to run instead when every rank votes for it, and, where the votes come from timing both,
-        # the times (comm.measured); else the vote is on pages: what this rank's were last time.
-        self.other: Call | None = None
-        self.measured: Measured | None = None
-        self.reached = (True, True)  # which of this rank's buffers the other plan's peers reach (in, out)
+        # Where auto's choice hinges on the pages of the ranks' buffers (comm.pages): the call shape
+        # to run instead when every rank's are on huge pages, and what this rank's were last time.
+        self.huge: Call | None = None
+        self.reached = (True, True)  # which of this rank's buffers the huge plan's peers reach (in, out)
         self.seen: Any = None
         self.agreed: bool | None = None  # what the ranks agreed at the last call (logged when it changes)
 
@@ -272,26 +266,11 @@ def prepare(
             if huge_alg.name != pick(query, algorithm, quiet=True).name:
                 pick(on_huge, algorithm, pages=" if every rank's buffers are on huge pages")
                 call = build(pick(query, algorithm, pages=" if not"))
-                call.other = build(huge_alg)
+                call.huge = build(huge_alg)
                 if huge_alg.name == "cma":  # (the only one that says it wins on huge pages)
                     call.reached = cma_plans.reached(kind, rt.rank == root, count, rt.world_size)
                 return call
         alg = pick(query, algorithm)
-        if algorithm == "auto" and not record.varying:
-            other = rival(query, slot_bytes=lay.slot_bytes, nslots=lay.nslots, group_size=group_size)
-            if other is not None and other.name != alg.name:
-                # The ranks time both plans and agree at every call to run the faster (comm.measured).
-                rt._log.info(
-                    "auto: %s n=%d %d B: measured at every call against %s",
-                    kind,
-                    rt.world_size,
-                    call_size(query),
-                    other.name,
-                )
-                call = build(alg)
-                call.other = build(other)
-                call.measured = call.other.measured = Measured()
-                return call
     return build(alg)
 
 

@@ -4,7 +4,7 @@ Cross-memory attach (``cma``) copies about twice as fast from a peer's huge page
 4 KiB pages, and beats the rings by up to 2x from 2 MiB there while it loses to them on 4 KiB
 pages (``shm/pages.py``; ``algos/cma.py``: ``huge_from``). Which pages a numpy buffer has is up to
 numpy's allocator and the process's history, and each rank sees only its own. So a call shape
-whose automatic choice differs by page size (``Call.other``, made by ``calls.prepare``) decides at
+whose automatic choice differs by page size (``Call.huge``, made by ``calls.prepare``) decides at
 every call, before it starts:
 
 1. each rank looks at the buffers its peers will reach (``Call.reached``: the kernel pins a
@@ -33,9 +33,6 @@ the run loop checks while a call waits: the abort word, lost peers, a peer alrea
 call of this number (a mismatch), the deadline. Where the
 kernel has no ``PAGEMAP_SCAN`` (before Linux 6.7) no call shape is page-aware and ``auto``
 decides as before.
-
-A call shape whose ranks time its two plans (``Call.measured``, :mod:`shmcoll.comm.measured`)
-agrees the same way on a vote that comes from the times instead of the pages.
 """
 
 from __future__ import annotations
@@ -93,59 +90,38 @@ def local_huge(b: Bound) -> bool:
 
 
 def agreed(rt: Any, b: Bound, limit: float) -> Bound:
-    """``b``, or ``b`` with its call shape's other plan where every rank votes for it: on huge
-    pages where all its buffers are (see the module doc), or by its times where it is measured
-    (``comm.measured``); ``limit``: seconds this rank may wait for its peers."""
+    """``b``, or ``b`` with its call shape's huge-page plan where every rank's buffers are on huge
+    pages (see the module doc); ``limit``: seconds this rank may wait for its peers."""
     words = rt._pages_words
     if words is None:
         words = rt._pages_words = _words(rt)
     k = rt._pages_calls = rt._pages_calls + 1
-    call = b[0]
-    measured = call.measured
-    if measured.vote() if measured is not None else local_huge(b):
-        every = _every_peer_votes(rt, b, words[1], k, limit)
+    if local_huge(b):
+        every = _every_peer_huge(rt, b, words[1], k, limit)
     else:
         engine.publish_word(rt._ctrl, words[0][0], 2 * k, words[0][1])
         every = False
-    if measured is not None:
-        if (measured.ran(int(every)) and measured.changes <= _LOGGED_CHANGES) or call.agreed is None:
-            call.agreed = every
-            rt._log.info(
-                "%s: measured: every rank runs algorithm %s (%s)%s",
-                call.label,
-                _algorithm(call.other if every else call),
-                measured.describe(),
-                "; further changes not logged" if measured.changes == _LOGGED_CHANGES else "",
-            )
-    elif every is not call.agreed:
+    call = b[0]
+    if every is not call.agreed:
         call.agreed = every
+        chosen = call.huge if every else call
         rt._log.info(
             "%s: pages: %severy rank's buffers are on huge pages: algorithm %s",
             call.label,
             "" if every else "not ",
-            _algorithm(call.other if every else call),
+            chosen.label.rpartition("algorithm=")[2].rstrip(")"),
         )
-    return (call.other, *b[1:]) if every else b
-
-
-_LOGGED_CHANGES = 8  # a measured call shape's changes of plan logged (INFO); the spells can flip it often
-
-
-def _algorithm(call: Any) -> str:
-    return call.label.rpartition("algorithm=")[2].rstrip(")")  # type: ignore[no-any-return]
+    return (call.huge, *b[1:]) if every else b
 
 
 def lean(rt: Any, b: Bound, enter: Any, record: np.ndarray) -> Any:
     """The lean path's entry (``comm.bind._make_lean``) for a remembered call ``b`` of a call
-    shape whose ranks agree on one of two plans: it agrees, then enters the engine through
-    ``enter`` with ``record`` or the other plan's, and carries the call to its end itself (it
-    returns OK or raises), timing it where the call shape is measured. Not for started
-    operations: their first run must not wait (``Runtime._start`` leaves such calls to the run
-    loop)."""
-    other = engine.record_for(b[0].other.start, b[1], b[2])
-    addresses = (record.ctypes.data, other.ctypes.data)
-    measured = b[0].measured
-    clock = time.perf_counter_ns
+    shape whose ranks agree on their pages: it agrees, then enters the engine through ``enter``
+    with ``record`` or the huge-page plan's, and carries the call to its end itself (it returns
+    OK or raises). Not for started operations: their first run must not wait (``Runtime._start``
+    leaves such calls to the run loop)."""
+    huge = engine.record_for(b[0].huge.start, b[1], b[2])
+    addresses = (record.ctypes.data, huge.ctypes.data)
 
     def run(_address: int) -> int:
         chosen = agreed(rt, b, rt._timeout)
@@ -154,15 +130,8 @@ def lean(rt: Any, b: Bound, enter: Any, record: np.ndarray) -> Any:
             rt._wait_or_raise(st, chosen[0], b[1], b[2], rt._timeout)
         return engine.OK  # type: ignore[no-any-return]
 
-    def timed(_address: int) -> int:
-        t0 = clock()
-        run(_address)
-        measured.took(clock() - t0)  # type: ignore[union-attr]
-        return engine.OK  # type: ignore[no-any-return]
-
-    entry = run if measured is None else timed
-    entry.records = (record, other)  # type: ignore[attr-defined]  # (alive as long as the entry)
-    return entry
+    run.records = (record, huge)  # type: ignore[attr-defined]  # (alive as long as the entry)
+    return run
 
 
 def _words(rt: Any) -> tuple[tuple[int, int], np.ndarray]:
@@ -181,15 +150,14 @@ def _words(rt: Any) -> tuple[tuple[int, int], np.ndarray]:
     return mine, np.array(table, np.int64)
 
 
-def _every_peer_votes(rt: Any, b: Bound, table: np.ndarray, k: int, limit: float) -> bool:
-    """Publish this rank's vote for the other plan (huge pages, or measured faster) for call
-    ``k`` and wait for every peer's word of it (or for one that says no): True where each votes
-    for it."""
+def _every_peer_huge(rt: Any, b: Bound, table: np.ndarray, k: int, limit: float) -> bool:
+    """Publish huge pages for call ``k`` and wait for every peer's word of it (or for one that
+    says no): True where each says huge pages."""
     ctrl, state = rt._ctrl, rt._state
     start = last = time.monotonic()
     try:
         while True:
-            st = engine.agree_pages(ctrl, table, k, state)  # (it publishes 2k + 1: "the other plan")
+            st = engine.agree_pages(ctrl, table, k, state)
             if st == engine.OK:
                 return True
             if st == engine.NOT_EVERY:

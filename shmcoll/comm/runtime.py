@@ -343,7 +343,7 @@ class Runtime:
         if lean is None and type(b) is tuple:
             code = KIND_CODE[b[0].kind]
             m = self._lean[code]
-            if m is not None and len(m) > 9 and m[9] is b and b[0].other is None:  # (see pages.lean)
+            if m is not None and len(m) > 9 and m[9] is b and b[0].huge is None:  # (see pages.lean)
                 lean = m[11] if len(m) == 12 else self._queue_lean(code, m)
         return progress.submit(b, timeout, what, lean)
 
@@ -381,7 +381,7 @@ class Runtime:
             or (m[6] is not None and not m[6].flags.writeable)
             or self._nested_owner is not None
             or self._broken is not None
-            or m[9][0].other is not None  # (bind.NOT_LEAN's m[0] matched no x)
+            or m[9][0].huge is not None  # (bind.NOT_LEAN's m[0] matched no x)
         ):
             return MISS
         progress = self._progress
@@ -422,10 +422,7 @@ class Runtime:
         if self._broken is not None:
             self._check_usable()
         limit = self._timeout if timeout is None else config.timeout_s(timeout)
-        measured = None
-        if b[0].other is not None:  # the ranks agree first on one of two plans (pages, or times)
-            measured = b[0].measured
-            began = time.perf_counter_ns()
+        if b[0].huge is not None:  # auto's choice hinges on the ranks' pages: they agree first
             b = pages.agreed(self, b, limit)
         call, inp, res, result, out, _, _ = b
         if inp is None:
@@ -463,8 +460,6 @@ class Runtime:
             if call.fill is not None:
                 # (an assignment, not fill(): bfloat16's identity is a 0-d array, not a scalar)
                 out.reshape(-1)[...] = call.fill  # type: ignore[union-attr]
-        if measured is not None:  # (comm.measured)
-            measured.took(time.perf_counter_ns() - began)
         return result
 
     def _again(self, code: int, x: Any, out: Any, op: Any, root: Any, algorithm: str, timeout: Any) -> Any:

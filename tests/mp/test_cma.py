@@ -294,21 +294,19 @@ def test_auto_runs_cma_where_every_rank_is_on_huge_pages() -> None:
         assert picked == {"cma"}, (collective, picked)
 
 
-def _by_pages(comm, kinds: list[str]) -> tuple[list[str], list[str], bool, list[str]]:  # type: ignore[no-untyped-def]
+def _by_pages(comm, kinds: list[str]) -> tuple[list[str], list[str], bool]:  # type: ignore[no-untyped-def]
     """Large calls on buffers of the pages ``kinds[rank]`` names, blocking, nonblocking and
-    persistent, with a small allreduce in a loop between them: which plans ran where the pages
-    decided (the labels ``comm.pages.agreed`` returned), what was wrong, whether the small call
-    kept its lean path, and which plans ran where the ranks' times decided (``comm.measured``)."""
+    persistent, with a small allreduce in a loop between them: which plans ran (the labels
+    ``comm.pages.agreed`` returned), what was wrong, and whether the small call kept its lean path."""
     from shmcoll.comm import pages as agreement
     from shmcoll.shm import pages
 
     ran: list[str] = []
-    timed: list[str] = []
     own = agreement.agreed
 
     def spy(rt, b, timeout):  # type: ignore[no-untyped-def]
         chosen = own(rt, b, timeout)
-        (ran if b[0].measured is None else timed).append(chosen[0].label)
+        ran.append(chosen[0].label)
         return chosen
 
     agreement.agreed = spy  # type: ignore[assignment]
@@ -370,7 +368,7 @@ def _by_pages(comm, kinds: list[str]) -> tuple[list[str], list[str], bool, list[
             bad.append("igather")
         comm.allreduce(tiny)
         kept = comm._lean[collectives.get("allreduce").code] is lean and (tiny == n**5).all()
-        return ran, bad, bool(kept), timed
+        return ran, bad, bool(kept)
     finally:
         agreement.agreed = own  # type: ignore[method-assign]  # the pool's processes live on
 
@@ -392,15 +390,13 @@ def test_ranks_agree_on_their_pages_before_a_call_whose_choice_hinges_on_them(ki
     # allgather twice, alltoall, iallgather, broadcast_init twice (not at 2 ranks, where a broadcast
     # of 2 MiB runs cma on any pages: cma_plans.PAST_LADDER_FROM); gather 3 + 1 from 4 MiB
     agreed = 4 if len(kinds) == 2 else 6
-    for ran, bad, kept, _ in results:
+    for ran, bad, kept in results:
         assert not bad and kept, (bad, kept)
         assert len(ran) == agreed + (4 if len(kinds) >= 4 else 0), ran
         assert all(("algorithm=cma" in label) == everywhere for label in ran[:agreed]), ran
         # gather's peers write into the root's output alone: its pages decide
         assert all(("algorithm=cma" in label) == (kinds[0] == "huge") for label in ran[agreed:]), ran
-    assert len({tuple(ran) for ran, _, _, _ in results}) == 1  # every rank ran the same plans
-    # (a 2-rank broadcast of 2 MiB, and gather below 4 MiB, are timed instead: the same plans too)
-    assert len({tuple(timed) for _, _, _, timed in results}) == 1
+    assert len({tuple(ran) for ran, _, _ in results}) == 1  # every rank ran the same plans
 
 
 def test_the_buffers_peers_reach_follow_the_plan() -> None:
@@ -433,7 +429,7 @@ def _without_scan(comm) -> tuple[list[bool], bool]:  # type: ignore[no-untyped-d
     scanner.ok = False  # as on a kernel before 6.7
     try:
         g = comm.allgather(np.full(1 << 20, comm.rank, np.float32))
-        return [c.other is not None and c.measured is None for c in comm._calls.values()], bool((g[1] == 1).all())
+        return [c.huge is not None for c in comm._calls.values()], bool((g[1] == 1).all())
     finally:
         scanner.ok = True
 
