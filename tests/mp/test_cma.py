@@ -422,6 +422,83 @@ def test_the_buffers_peers_reach_follow_the_plan() -> None:
     assert reached("reduce_scatter", False, 10) == (True, False)
 
 
+def _random_votes(comm, calls: int) -> tuple[list[bool], list[str]]:  # type: ignore[no-untyped-def]
+    """Page-aware calls whose ranks vote at random (each its own coin), on call shapes whose
+    plain plan can finish on one rank before its peers arrive (``direct`` through the rings: a
+    scatter's root, an allgather that fits in the rings) and whose other plan is cma: which plan
+    ran at each call, and what was wrong."""
+    import random
+
+    from shmcoll.comm import pages as agreement
+
+    comm._cma_crossover = cma.NEVER  # (the rings: direct)
+    coin, order = random.Random(1000 + comm.rank), random.Random(7)  # (the order: the same everywhere)
+    n, r = comm.world_size, comm.rank
+    count = 8 << 10
+    x = np.full(count, r + 1, np.float32)
+    gathered = np.empty((n, count), np.float32)
+    rows = np.arange(n * count, dtype=np.float32).reshape(n, count)
+    part = np.empty(count, np.float32)
+    tiny = np.ones(2, np.float32)
+    calls_of = {
+        "allgather": lambda a: comm.allgather(x, out=gathered, algorithm=a),
+        "scatter": lambda a: comm.scatter(rows if r == 0 else None, root=0, out=part, algorithm=a),
+    }
+    for make in calls_of.values():  # each call shape, then its cma plan as its other plan
+        make("auto")
+        shape = next(reversed(comm._calls.values()))
+        make("cma")
+        shape.huge = next(reversed(comm._calls.values()))
+        assert "algorithm=direct" in shape.label and "algorithm=cma" in shape.huge.label, shape.label
+    comm._memo[:] = [None] * len(comm._memo)
+    comm._lean[:] = [None] * len(comm._lean)
+    ran: list[bool] = []
+    bad: list[str] = []
+    own_vote, own = agreement.local_huge, agreement.agreed
+
+    def spy(rt, b, timeout):  # type: ignore[no-untyped-def]
+        chosen = own(rt, b, timeout)
+        ran.append(chosen[0] is not b[0])
+        return chosen
+
+    agreement.local_huge = lambda b: coin.random() < 0.6  # type: ignore[assignment]
+    agreement.agreed = spy  # type: ignore[assignment]
+    try:
+        for i in range(calls):
+            kind = order.choice(sorted(calls_of))
+            gathered[...] = -1
+            part[...] = -1
+            calls_of[kind]("auto")
+            if order.random() < 0.3:
+                comm.allreduce(tiny)  # (a call that does not agree, between them)
+            if kind == "allgather" and not all((gathered[j] == j + 1).all() for j in range(n)):
+                bad.append(f"allgather {i}")
+            if kind == "scatter" and not (part == rows[r]).all():
+                bad.append(f"scatter {i}")
+        return ran, bad
+    finally:
+        agreement.local_huge, agreement.agreed = own_vote, own  # type: ignore[method-assign]  # (the pool's processes live on)
+        for shape in comm._calls.values():
+            shape.huge = None
+        comm._memo[:] = [None] * len(comm._memo)
+        comm._lean[:] = [None] * len(comm._lean)
+
+
+@permitted
+@pytest.mark.parametrize("n", [2, 3])
+def test_ranks_that_vote_at_random_run_the_same_plan_at_every_call(n: int) -> None:
+    """The page agreement's protocol (``comm.pages``, ``engine.cpu.agree_pages``) under every
+    pattern of votes: the other plan runs only where every rank voted for it, and a rank that
+    voted for it reads a peer's word of this call, not of the next, even where the peer has
+    finished this call's plain plan alone and gone on (it sends into the rings without waiting).
+    A wrong reading would run two plans in one call, which the engine reports as a mismatch."""
+    results = run_ranks(_random_votes, n, 3000, timeout=180)
+    for ran, bad in results:
+        assert not bad, bad[:5]
+        assert len(ran) == 3000 and 0 < sum(ran) < 3000
+    assert len({tuple(ran) for ran, _ in results}) == 1
+
+
 def _without_scan(comm) -> tuple[list[bool], bool]:  # type: ignore[no-untyped-def]
     from shmcoll.shm import pages
 
