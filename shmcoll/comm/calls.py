@@ -263,12 +263,17 @@ def prepare(
             # Decided for both page sizes; where they differ the ranks agree at every call (comm.pages).
             query, on_huge = dataclasses.replace(query, huge_pages=False), dataclasses.replace(query, huge_pages=True)
             huge_alg = pick(on_huge, algorithm, quiet=True)
-            if huge_alg.name != pick(query, algorithm, quiet=True).name:
+            # Only cma as the huge-page plan (the only algorithm that says it wins there): the
+            # agreement needs a plan whose syncs wait for every rank. A rank that finds every vote
+            # for it runs it at once, and the peers read its word later; with a plan one rank can
+            # finish alone (a root sending into the rings), it would go on to its next call and
+            # publish that call's word first, and a peer would read that as a no and run the other
+            # plan. (Stop 45's measured choice, whose other plan could be direct, did so.)
+            if huge_alg.name == "cma" and huge_alg.name != pick(query, algorithm, quiet=True).name:
                 pick(on_huge, algorithm, pages=" if every rank's buffers are on huge pages")
                 call = build(pick(query, algorithm, pages=" if not"))
                 call.huge = build(huge_alg)
-                if huge_alg.name == "cma":  # (the only one that says it wins on huge pages)
-                    call.reached = cma_plans.reached(kind, rt.rank == root, count, rt.world_size)
+                call.reached = cma_plans.reached(kind, rt.rank == root, count, rt.world_size)
                 return call
         alg = pick(query, algorithm)
     return build(alg)

@@ -20,7 +20,10 @@ every call, before it starts:
 
 Every rank runs the same plan: a rank that reads ``2k`` from a peer, or a word beyond call ``k``,
 runs the other plan, and so did that peer (a peer cannot finish the huge-page plan, whose syncs
-wait for every rank, before this rank has decided). So on 4 KiB pages, the common case, no rank
+wait for every rank, before this rank has decided). That is why the huge-page plan must be one
+whose syncs wait for every rank (``cma``, which ``calls.prepare`` alone makes it): a plan that
+one rank can finish alone would let it publish its next call's word before a peer read this
+one's. So on 4 KiB pages, the common case, no rank
 waits for another: the choice costs a look at the buffers and one store. (It was first an
 allreduce of one int32 before each call: that synchronised the ranks, and the calls lost the
 overlap of one call's end with the next one's start, 3-8% at 2-8 MiB on the 2-core VM.) On huge

@@ -499,6 +499,38 @@ def test_ranks_that_vote_at_random_run_the_same_plan_at_every_call(n: int) -> No
     assert len({tuple(ran) for ran, _ in results}) == 1
 
 
+def _eager_huge_plan(comm) -> tuple[list[bool], bool]:  # type: ignore[no-untyped-def]
+    """A selection that would run ``direct`` on huge pages and cma on 4 KiB ones: whether the
+    call shape became page-aware, and whether the call was right."""
+    from shmcoll.algos import registry as algorithms
+    from shmcoll.comm import calls
+
+    own = calls.choose
+
+    def choose(query, requested="auto", **kw):  # type: ignore[no-untyped-def]
+        if requested == "auto" and query.huge_pages:
+            return algorithms.get(query.collective, "direct")
+        return own(query, requested, **kw)
+
+    calls.choose = choose  # type: ignore[assignment]
+    comm._cma_crossover = cma.LADDER_BYTES[0]  # (cma on 4 KiB pages)
+    try:
+        g = comm.allgather(np.full(1 << 20, comm.rank, np.float32))
+        aware = [c.huge is not None for c in comm._calls.values() if c.label.startswith("allgather")]
+        return aware, bool((g[1] == 1).all())
+    finally:
+        calls.choose = own  # type: ignore[assignment]
+
+
+@permitted
+@pytest.mark.skipif(not pages.can_scan(), reason="no PAGEMAP_SCAN here (Linux 6.7 and later)")
+def test_only_cma_is_a_huge_page_plan() -> None:
+    """The agreement needs an other plan whose syncs wait for every rank (``comm.pages``): where
+    the selection would run another algorithm on huge pages, the call shape is not page-aware."""
+    for aware, right in run_ranks(_eager_huge_plan, 2, timeout=60):
+        assert right and aware == [False], aware
+
+
 def _without_scan(comm) -> tuple[list[bool], bool]:  # type: ignore[no-untyped-def]
     from shmcoll.shm import pages
 
