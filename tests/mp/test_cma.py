@@ -424,9 +424,9 @@ def test_the_buffers_peers_reach_follow_the_plan() -> None:
 
 def _random_votes(comm, calls: int) -> tuple[list[bool], list[str]]:  # type: ignore[no-untyped-def]
     """Page-aware calls whose ranks vote at random (each its own coin), on call shapes whose
-    plain plan can finish on one rank before its peers arrive (``direct`` through the rings: a
-    scatter's root, an allgather that fits in the rings) and whose other plan is cma: which plan
-    ran at each call, and what was wrong."""
+    plain plan is the rings' (in which a scatter's root sends its 32 KiB parts into the rings
+    and can finish before its peers arrive) and whose other plan is cma, with calls that do not
+    agree between them: which plan ran at each call, and what was wrong."""
     import random
 
     from shmcoll.comm import pages as agreement
@@ -444,12 +444,14 @@ def _random_votes(comm, calls: int) -> tuple[list[bool], list[str]]:  # type: ig
         "allgather": lambda a: comm.allgather(x, out=gathered, algorithm=a),
         "scatter": lambda a: comm.scatter(rows if r == 0 else None, root=0, out=part, algorithm=a),
     }
+    shapes = []
     for make in calls_of.values():  # each call shape, then its cma plan as its other plan
         make("auto")
         shape = next(reversed(comm._calls.values()))
         make("cma")
         shape.huge = next(reversed(comm._calls.values()))
-        assert "algorithm=direct" in shape.label and "algorithm=cma" in shape.huge.label, shape.label
+        assert "algorithm=cma" not in shape.label and "algorithm=cma" in shape.huge.label, shape.label
+        shapes.append(shape)
     comm._memo[:] = [None] * len(comm._memo)
     comm._lean[:] = [None] * len(comm._lean)
     ran: list[bool] = []
@@ -478,7 +480,7 @@ def _random_votes(comm, calls: int) -> tuple[list[bool], list[str]]:  # type: ig
         return ran, bad
     finally:
         agreement.local_huge, agreement.agreed = own_vote, own  # type: ignore[method-assign]  # (the pool's processes live on)
-        for shape in comm._calls.values():
+        for shape in shapes:
             shape.huge = None
         comm._memo[:] = [None] * len(comm._memo)
         comm._lean[:] = [None] * len(comm._lean)
