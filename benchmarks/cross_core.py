@@ -80,9 +80,10 @@ def _alone(shared, private_in, private_out, nbytes, rounds, times):  # type: ign
 
 
 def warm() -> None:
-    """Compile (or load from the cache) the rounds' code in this thread, before two threads call
-    it: a first call from two threads at once, with no cache yet, failed in one of them (numba's
-    cache files, ``OSError: [Errno 9] Bad file descriptor``) and left the other waiting."""
+    """Compile (or load from the cache) the rounds' code in this thread, before the two pinned
+    threads call it, so that neither compiles on its one CPU while the other waits for it. (Two
+    threads' first calls at once once failed in one of them, EBADF in numba's cache: fixed in
+    ``shmcoll/jit.py``, whose compile bookkeeping now runs under numba's compiler lock.)"""
     words, times = np.zeros(16, np.int64), np.zeros(1, np.int64)
     _side(words, 0, 0, 0, 0, 0, times)
     _alone(0, 0, 0, 0, 0, times)
