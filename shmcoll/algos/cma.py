@@ -8,16 +8,16 @@ means (regions on other ranks, dissemination syncs of zero-byte messages, safety
 by the verifier's vector clocks); each rank publishes its buffers' addresses when it enters the
 call, and a copy from or into a peer's region is one system call (``ir.PEERS_CMA``).
 
-**allreduce**: rank ``r`` reads chunk ``r`` of each peer's input into scratch, a 256 KiB part
-(64 Ki elements) at a time, combines it with its own at once, while the part is still in its
-cache, and writes the finished part into every peer's output (no sync between: chunk ``r`` of a
-peer's buffer is read and then written by rank ``r`` alone). **reduce_scatter**: the reads and
-combinations alone. Each chunk is combined once, by its owner, so every rank gets the same bits; the
-rings copy each byte into a slot and out again, and combine from memory. ``shmcoll bench -c
-allreduce -a all``, in place, when cma still wrote whole chunks (stop 27; per-part writes since,
-see :func:`allreduce`): 2 ranks 256 KiB 14 against 31 us for the best ring, 1 MiB 64 against
-118, 4 MiB 355 against 511, 16 MiB 1390 against 2121; 4 ranks 1 MiB 202 against 295, 16 MiB
-3894 against 5140.
+**allreduce**: rank ``r`` reads chunk ``r`` of each peer's input into scratch (out of place, the
+first peer's into its output), a 256 KiB part (64 Ki elements) at a time, combines it with its own
+at once, while the part is still in its cache, and writes the finished part into every peer's output
+(no sync between: chunk ``r`` of a peer's buffer is read and then written by rank ``r`` alone).
+**reduce_scatter**: the reads and combinations alone. Each chunk is combined once, by its owner, so
+every rank gets the same bits; the rings copy each byte into a slot and out again, and combine from
+memory. ``shmcoll bench -c allreduce -a all``, in place, when cma still wrote whole chunks (stop 27;
+per-part writes since, see :func:`allreduce`): 2 ranks 256 KiB 14 against 31 us for the best ring, 1
+MiB 64 against 118, 4 MiB 355 against 511, 16 MiB 1390 against 2121; 4 ranks 1 MiB 202 against 295,
+16 MiB 3894 against 5140.
 **broadcast**: the root writes the first ``1/n`` of its buffer into every peer while each peer
 reads the rest from the root: reading it all, the peers copied while the root's core idled (2
 ranks, in place, 2 MiB 228 -> 64 us, 8 MiB 668 -> 320). Out of place the root's output is
@@ -583,10 +583,24 @@ def _reduction_permitted(query: Query) -> str | None:
     return reason
 
 
-def _reduce_chunk(ctx: Context, r: int, src: int, dst: int, count: int, scratch: Region, spread: bool = False) -> None:
+def _reduce_chunk(
+    ctx: Context, r: int, src: int, dst: int, count: int, scratch: Region | None, spread: bool = False
+) -> None:
     """``OUT[dst:+count]`` on rank ``r`` = its own ``IN[src:+count]`` (op) each peer's, around the
     world from the next rank, a part at a time; AVG's division at the last combination.
-    ``spread``: each finished part is also written into every peer's ``OUT`` at the same place."""
+    ``spread``: each finished part is also written into every peer's ``OUT`` at the same place.
+
+    Out of place (where ``OUT`` does not hold this rank's input), the first peer's part is read
+    straight into ``OUT`` and combined there, in place, and only the others go through
+    ``scratch`` (None at 2 ranks out of place: there are no others); the operands keep their
+    order (this rank's own on the left), so the bits are those of the reads through scratch.
+    Measured (stop 46, one process per rank running both plans in turn, 12 rounds of 15 calls,
+    paired medians), out of place against reading every part into scratch: 2 ranks
+    reduce_scatter 1, 4 and 16 MiB 0.93, 0.90, 0.89 (a second run: 0.94, 0.88, 0.80), allreduce
+    0.98, 0.96, 0.91 (0.96, 0.91, 0.92); 3 ranks allreduce 1 and 4 MiB 0.97, 0.93; 4 ranks on 2
+    cores reduce_scatter 0.98, 0.90, 0.91, allreduce 1.00, 0.97, 1.01. (The kernel's copy brings
+    the output's lines into the cache, where the combination then reads and writes them; through
+    scratch, the combination fetched them from memory only to overwrite them.)"""
     n = ctx.world_size
     if n == 1:
         ctx.copy(r, Region(Buf.IN, src), Region(Buf.OUT, dst), count)
@@ -596,12 +610,19 @@ def _reduce_chunk(ctx: Context, r: int, src: int, dst: int, count: int, scratch:
         m = min(part, count - s)
         here = Region(Buf.OUT, dst + s)
         for pos, j in enumerate(_around(r, n)):
-            ctx.copy(r, Region(Buf.IN, src + s, rank=j), scratch, m)
+            into = here if pos == 0 and not ctx.inplace else scratch
+            assert into is not None  # (no scratch only where no peer needs one)
+            ctx.copy(r, Region(Buf.IN, src + s, rank=j), into, m)
             left = Region(Buf.IN, src + s) if pos == 0 else here
-            ctx.reduce_local(r, left, scratch, here, m, final=pos == n - 2)
+            ctx.reduce_local(r, left, into, here, m, final=pos == n - 2)
         if spread:
             for j in _around(r, n):
                 ctx.copy(r, here, Region(Buf.OUT, dst + s, rank=j), m)
+
+
+def _scratch(ctx: Context, chunk: int) -> Region | None:
+    """A part's scratch for :func:`_reduce_chunk`, where it needs one: in place, or from 3 ranks."""
+    return ctx.tmp(_part(chunk)) if ctx.inplace or ctx.world_size > 2 else None
 
 
 def _allreduce_from(world_size: int) -> int:
@@ -641,16 +662,17 @@ def _preferred(auto_from: Callable[[int], int]) -> Callable[[Query, int], bool]:
     auto_prefer=_preferred(_allreduce_from),
 )
 def allreduce(ctx: Context) -> None:
-    """Rank ``r`` reads chunk ``r`` of every peer's input into scratch, a part at a time,
-    combines it with its own, and writes the finished part into every peer's output while it is
-    still in its cache. (Writing the whole chunk after the last part read it back from memory:
+    """Rank ``r`` reads chunk ``r`` of every peer's input, a part at a time (into scratch, or out
+    of place the first peer's into its output: :func:`_reduce_chunk`), combines it with its own,
+    and writes the finished part into every peer's output while it is still in its cache.
+    (Writing the whole chunk after the last part read it back from memory:
     ``shmcoll bench -c allreduce -a cma``, this plan against that one, alternating, 3 rounds: 2
     ranks in place 4 MiB 348 -> 254 us, 16 MiB 1452 -> 1019, out of place 4 MiB 449 -> 347; 4
     ranks in place 8 MiB 2185 -> 1541; 256 KiB-1 MiB within 3-5% either way.)"""
     n, count = ctx.world_size, ctx.count
     chunks = split(count, n)
     biggest = max(c for _, c in chunks)
-    scratch = ctx.tmp(_part(biggest))
+    scratch = _scratch(ctx, biggest)
     zerocopy.sync(ctx)
     for r in range(n):
         off, c = chunks[r]
@@ -681,10 +703,11 @@ def _reduce_scatter_from(world_size: int) -> int:
     auto_prefer=_preferred(_reduce_scatter_from),
 )
 def reduce_scatter(ctx: Context) -> None:
-    """Rank ``r`` reads block ``r`` of every peer's input into scratch, a part at a time, and
-    combines it with its own into its output."""
+    """Rank ``r`` reads block ``r`` of every peer's input, a part at a time, and combines it with
+    its own into its output (out of place the first peer's part is read into the output itself:
+    :func:`_reduce_chunk`)."""
     n, count = ctx.world_size, ctx.count
-    scratch = ctx.tmp(_part(count))
+    scratch = _scratch(ctx, count)
     zerocopy.sync(ctx)
     for r in range(n):
         if count:

@@ -91,6 +91,50 @@ def _large(comm, count: int) -> list[str]:  # type: ignore[no-untyped-def]
     return bad
 
 
+def _some_in_place(comm, count: int) -> list[str]:  # type: ignore[no-untyped-def]
+    """cma's reductions where the even ranks call in place and the odd ones out of place (each
+    rank's plan reads its first peer's part into its output only out of place): exact int64 sums,
+    and float32 sums with the same bits on every rank."""
+    r, n = comm.rank, comm.world_size
+    inplace = r % 2 == 0
+    bad = []
+    for dtype in (np.int64, np.float32):
+        rows = [
+            ((np.arange(count * n, dtype=np.int64) * 7 + j * 1_000_003) % 4099 - 2049).astype(dtype) for j in range(n)
+        ]
+        if dtype == np.float32:
+            rows = [x * np.float32(1.1) ** j for j, x in enumerate(rows)]
+        x = rows[r].copy()
+        got = (
+            comm.allreduce(x, algorithm="cma") if inplace else comm.allreduce(x, out=np.empty_like(x), algorithm="cma")
+        )
+        same = len(set(comm.allgather_object(got.tobytes()))) == 1
+        if not same or (dtype == np.int64 and not np.array_equal(got, sum(rows))):
+            bad.append(f"allreduce {np.dtype(dtype).name}")
+        x = rows[r].copy()
+        mine = x.reshape(n, count)[r]
+        got = comm.reduce_scatter(x, out=mine if inplace else np.empty(count, dtype), algorithm="cma")
+        blocks = comm.allgather_object(got.tobytes())
+        whole = np.frombuffer(b"".join(blocks), dtype)
+        expected = sum(rows)
+        if dtype == np.int64 and not np.array_equal(whole, expected):
+            bad.append("reduce_scatter int64")
+        theirs = comm.allgather_object(
+            comm.allreduce(rows[r].copy(), algorithm="cma")[r * count : (r + 1) * count].tobytes()
+        )
+        if dtype == np.float32 and blocks != theirs:  # (reduce_scatter combines as allreduce does)
+            bad.append("reduce_scatter float32")
+    return bad
+
+
+@permitted
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_in_place_and_out_of_place_in_one_reduction(world_size: int) -> None:
+    count = 3 * cma_plans._PART + 5  # (four parts, the last short)
+    for rank_bad in run_ranks(_some_in_place, world_size, count, timeout=120):
+        assert rank_bad == []
+
+
 @permitted
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_large_unaligned_calls(world_size: int) -> None:

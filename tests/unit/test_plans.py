@@ -327,6 +327,37 @@ def test_cma_alltoall_in_place_swaps_a_part_at_a_time(monkeypatch: pytest.Monkey
                 assert len(moves) == 3 * parts, (n, count, rank)
 
 
+@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter"])
+def test_cma_reductions_out_of_place_read_the_first_peer_into_the_output(
+    collective: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Measured (``cma._reduce_chunk``): out of place, the first peer's part is read straight into
+    the output and combined there, 7-20% faster at 2 ranks than through scratch; in place the
+    output holds the rank's own input, so every read goes through scratch. The plans verify,
+    parts of 3 elements, and the rank's own part stays the left operand."""
+    monkeypatch.setattr(cma, "_PART", 3)
+    alg = registry.get(collective, "cma")
+    for n in range(1, 6):
+        for count in (0, 1, 5, 7, 13):
+            for inplace in (False, True):
+                plan = plan_call(alg, n, count, 100, inplace=inplace)
+                verify(plan, world_size=n, count=count, inplace=inplace)
+                if n == 1:
+                    continue
+                assert (plan.tail.tmp_count == 0) is (not inplace and n == 2 or count == 0), (n, count, inplace)
+                for rank in range(n):
+                    moves = [s for s in plan.tail.programs[rank] if s.count]
+                    reads = [s for s in moves if s.a is not None and s.a.rank is not None]
+                    # Each part reads its peers around the world, the next rank first.
+                    for k, s in enumerate(reads):
+                        first = k % (n - 1) == 0
+                        assert s.a.rank == (rank + 1 + k % (n - 1)) % n
+                        assert s.dst.buf == (Buf.OUT if first and not inplace else Buf.TMP), (n, count, rank, k)
+                    for s in moves:
+                        if s.reduce and s.dst == s.b and s.b.buf == Buf.OUT:  # combined in the output
+                            assert s.a is not None and s.a.buf == Buf.IN and s.a.rank is None
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_cma_broadcast_root_writes_its_share_while_peers_read_the_rest(n: int) -> None:
     # Measured (cma's module doc): with the peers reading it all, the root's core idled
