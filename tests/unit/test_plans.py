@@ -332,7 +332,7 @@ def test_cma_reductions_out_of_place_read_the_first_peer_into_the_output(
     collective: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Measured (``cma._reduce_chunk``): out of place, the first peer's part is read straight into
-    the output and combined there, 7-20% faster at 2 ranks than through scratch; in place the
+    the output and combined there, 6-20% faster at 2 ranks than through scratch; in place the
     output holds the rank's own input, so every read goes through scratch. The plans verify,
     parts of 3 elements, and the rank's own part stays the left operand."""
     monkeypatch.setattr(cma, "_PART", 3)
