@@ -70,7 +70,7 @@ from collections.abc import Callable
 from shmcoll.algos import zerocopy
 from shmcoll.algos.registry import Query, register
 from shmcoll.plan.builder import Context, split
-from shmcoll.plan.ir import Buf, Region
+from shmcoll.plan.ir import PEERS_CMA, Buf, Region
 
 
 def auto_from(world_size: int) -> int:
@@ -359,6 +359,7 @@ _SHARE_FROM = 64 << 10
     "cma",
     piece=_whole,
     supports=_permitted,
+    peers=PEERS_CMA,
     auto_from=_broadcast_from,
     auto_skip=_broadcast_skips,
     auto_huge=_on_huge_pages,
@@ -428,6 +429,7 @@ def _around(r: int, n: int) -> list[int]:
     "cma",
     piece=_whole,
     supports=_permitted,
+    peers=PEERS_CMA,
     auto_from=_blocks_from,
     auto_skip=_below_crossover,
     auto_huge=_on_huge_pages,
@@ -456,6 +458,7 @@ def allgather(ctx: Context) -> None:
     "cma",
     piece=_whole,
     supports=_permitted,
+    peers=PEERS_CMA,
     auto_from=_gather_from,
     auto_skip=_below_crossover,
     auto_huge=_on_huge_pages,
@@ -478,6 +481,7 @@ def gather(ctx: Context) -> None:
     "cma",
     piece=_whole,
     supports=_permitted,
+    peers=PEERS_CMA,
     auto_from=_blocks_from,
     auto_skip=_below_crossover,
     auto_huge=_on_huge_pages,
@@ -542,6 +546,7 @@ def _swaps(ctx: Context) -> None:
     "cma",
     piece=_whole,
     supports=_permitted,
+    peers=PEERS_CMA,
     auto_from=auto_from,
     auto_skip=_below_crossover,
     auto_huge=_on_huge_pages,
@@ -656,6 +661,7 @@ def _preferred(auto_from: Callable[[int], int]) -> Callable[[Query, int], bool]:
     "cma",
     piece=_whole,
     supports=_reduction_permitted,
+    peers=PEERS_CMA,
     auto_from=_allreduce_from,
     auto_skip=_below_crossover,
     auto_huge=_on_huge_pages,
@@ -697,6 +703,7 @@ def _reduce_scatter_from(world_size: int) -> int:
     "cma",
     piece=_whole,
     supports=_reduction_permitted,
+    peers=PEERS_CMA,
     auto_from=_reduce_scatter_from,
     auto_skip=_below_crossover,
     auto_huge=_on_huge_pages,

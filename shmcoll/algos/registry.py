@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
+from shmcoll.plan import ir
 from shmcoll.plan.algorithm import Query
 from shmcoll.plan.builder import Context
 
@@ -71,6 +72,7 @@ class Algorithm:
     auto_skip: Callable[[Query, int], bool] | None = None
     auto_prefer: Callable[[Query, int], bool] | None = None
     auto_huge: Callable[[Query, int], bool] | None = None
+    peers: int = ir.PEERS_NONE
 
     def for_auto(self, query: Query, size: int) -> bool:
         """Whether the automatic choice weighs this algorithm for ``query`` (``size`` bytes)."""
@@ -111,8 +113,13 @@ def register(
     auto_skip: Callable[[Query, int], bool] | None = None,
     auto_prefer: Callable[[Query, int], bool] | None = None,
     auto_huge: Callable[[Query, int], bool] | None = None,
+    peers: int = ir.PEERS_NONE,
 ) -> Callable[[Builder], Builder]:
-    """Register ``build`` as algorithm ``name`` of ``collective``."""
+    """Register ``build`` as algorithm ``name`` of ``collective``.
+
+    ``peers`` says how its plans reach regions on other ranks (``ir.PEERS_*``); the call encodes
+    it with every plan, and a plan that names a peer's region under ``PEERS_NONE`` is refused.
+    """
     if name not in ALGORITHM_NAMES:
         raise ValueError(f"unknown algorithm name {name!r}; add it to ALGORITHM_NAMES")
 
@@ -133,6 +140,7 @@ def register(
             auto_skip,
             auto_prefer,
             auto_huge,
+            peers,
         )
         return build
 

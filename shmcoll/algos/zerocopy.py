@@ -34,7 +34,7 @@ from __future__ import annotations
 from shmcoll.algos.direct import barrier
 from shmcoll.algos.registry import Query, register
 from shmcoll.plan.builder import Context, split
-from shmcoll.plan.ir import Buf, Region
+from shmcoll.plan.ir import PEERS_REGISTERED, Buf, Region
 
 _WHOLE_CALL = 1 << 62  # no slots carry data, so a call is never cut into pieces
 
@@ -74,7 +74,7 @@ def _mine_or(rank: int, owner: int, buf: Buf, off: int) -> Region:
     return Region(buf, off) if owner == rank else Region(buf, off, rank=owner)
 
 
-@register("allreduce", "zerocopy", piece=_whole, supports=_registered)
+@register("allreduce", "zerocopy", piece=_whole, supports=_registered, peers=PEERS_REGISTERED)
 def allreduce(ctx: Context) -> None:
     """Each rank reduces its chunk from every input, then copies the others' chunks."""
     n, count = ctx.world_size, ctx.count
@@ -93,7 +93,7 @@ def allreduce(ctx: Context) -> None:
     sync(ctx)
 
 
-@register("reduce_scatter", "zerocopy", piece=_whole, supports=_registered)
+@register("reduce_scatter", "zerocopy", piece=_whole, supports=_registered, peers=PEERS_REGISTERED)
 def reduce_scatter(ctx: Context) -> None:
     """Rank ``r`` reduces block ``r`` of every input."""
     n, count = ctx.world_size, ctx.count
@@ -104,7 +104,7 @@ def reduce_scatter(ctx: Context) -> None:
     sync(ctx)
 
 
-@register("reduce", "zerocopy", piece=_whole, supports=_registered)
+@register("reduce", "zerocopy", piece=_whole, supports=_registered, peers=PEERS_REGISTERED)
 def reduce(ctx: Context) -> None:
     """The root reduces every input."""
     n, root, count = ctx.world_size, ctx.root, ctx.count
@@ -114,7 +114,7 @@ def reduce(ctx: Context) -> None:
     sync(ctx)
 
 
-@register("broadcast", "zerocopy", piece=_whole, supports=_registered)
+@register("broadcast", "zerocopy", piece=_whole, supports=_registered, peers=PEERS_REGISTERED)
 def broadcast(ctx: Context) -> None:
     """Every rank copies the root's buffer."""
     n, root, count = ctx.world_size, ctx.root, ctx.count
@@ -127,7 +127,7 @@ def broadcast(ctx: Context) -> None:
     sync(ctx)
 
 
-@register("gather", "zerocopy", piece=_whole, supports=_registered)
+@register("gather", "zerocopy", piece=_whole, supports=_registered, peers=PEERS_REGISTERED)
 def gather(ctx: Context) -> None:
     """The root copies every rank's input into its block."""
     n, root, count = ctx.world_size, ctx.root, ctx.count
@@ -138,7 +138,7 @@ def gather(ctx: Context) -> None:
     sync(ctx)
 
 
-@register("allgather", "zerocopy", piece=_whole, supports=_registered)
+@register("allgather", "zerocopy", piece=_whole, supports=_registered, peers=PEERS_REGISTERED)
 def allgather(ctx: Context) -> None:
     """Every rank copies every input into its block."""
     n, count = ctx.world_size, ctx.count
@@ -150,7 +150,7 @@ def allgather(ctx: Context) -> None:
     sync(ctx)
 
 
-@register("alltoall", "zerocopy", piece=_whole, supports=_registered)
+@register("alltoall", "zerocopy", piece=_whole, supports=_registered, peers=PEERS_REGISTERED)
 def alltoall(ctx: Context) -> None:
     """Rank ``r`` copies block ``r`` of every input. In place, a block a peer still has to read
     is this rank's own input: gather into scratch, sync, then write the output."""

@@ -327,9 +327,8 @@ def _build(
             matrix=matrix,
         )
     sig = ir.pack_sig(kind, alg.code, dtype, int(reduce_op), root, count)
-    zero_copy = alg.name == "zerocopy"
-    peers = ir.PEERS_REGISTERED if zero_copy else ir.PEERS_CMA if alg.name == "cma" else ir.PEERS_NONE
-    prog = ir.encode(plan, rt.rank, lay.channel, int(engine_op), sig, peers)
+    zero_copy = alg.peers == ir.PEERS_REGISTERED
+    prog = ir.encode(plan, rt.rank, lay.channel, int(engine_op), sig, alg.peers)
     tmp = rt._scratch_array("tmp", engine_dtype, plan.tmp_count)
     label = ir.describe_sig(sig, ALGORITHM_NAMES)
     rt._log.info(

@@ -334,6 +334,16 @@ def _encode_steps(steps: Program, rank: int, channel: object) -> np.ndarray:
     return rows
 
 
+def _peer_region(plan: CallPlan) -> str | None:
+    """The first step, on any rank, that names a region on another rank, as text; else None."""
+    for part in (plan.body, plan.tail):
+        for rank, steps in enumerate(part.programs if part else ()):
+            for s in steps:
+                if any(r is not None and r.rank is not None for r in (s.a, s.b, s.dst)):
+                    return f"rank {rank}: {s}"
+    return None
+
+
 def encode(
     plan: CallPlan,
     rank: int,
@@ -347,8 +357,15 @@ def encode(
     ``channel(src, dst)`` maps a rank pair to its channel index (``Layout.channel``).
     ``peers`` says how regions on other ranks are reached: ``PEERS_REGISTERED`` for a plan over
     buffers from ``comm.alloc``, whose placement the engine takes from its state at each call
-    (see the module docstring), ``PEERS_CMA`` for copies out of peers' own buffers.
+    (see the module docstring), ``PEERS_CMA`` for copies out of peers' own buffers. A plan that
+    names a peer's region under ``PEERS_NONE`` is refused (ValueError), on every rank alike: the
+    engine would read this rank's own buffer there instead (``Algorithm.peers`` says the mode).
     """
+    if peers == PEERS_NONE and (where := _peer_region(plan)) is not None:
+        raise ValueError(
+            f"{plan.tail.kind}/{plan.tail.algorithm}: the plan names peer regions ({where}) but was "
+            "encoded with peers=PEERS_NONE; register the algorithm with the peers mode it needs"
+        )
     body = _encode_steps(plan.body.programs[rank], rank, channel) if plan.body else np.empty((0, NCOLS), np.int64)
     tail = _encode_steps(plan.tail.programs[rank], rank, channel)
     header = np.zeros((1, NCOLS), dtype=np.int64)

@@ -453,3 +453,32 @@ def test_steps_write_a_peer_only_by_copying_their_own_data() -> None:
     with pytest.raises(ValueError, match="only by copying its own data"):
         Step(count=4, recv=1, a=Region(Buf.IN, 0), dst=Region(Buf.OUT, 0, rank=1), reduce=True)
     Step(count=4, a=Region(Buf.IN, 0), dst=Region(Buf.OUT, 0, rank=1))
+
+
+def test_plans_that_name_peer_regions_come_from_algorithms_registered_with_a_peers_mode() -> None:
+    """The engine reaches a peer's region only in the mode the program's header says
+    (``Algorithm.peers``); under ``PEERS_NONE`` it would read the rank's own buffer there and give
+    wrong results with no error. So every plan that names one comes from an algorithm that says
+    its mode, and encoding such a plan without one is refused on every rank (not only on the ranks
+    whose own program names a peer's region)."""
+    modes = {a.peers for a in registry.algorithms()}
+    assert modes == {ir.PEERS_NONE, ir.PEERS_REGISTERED, ir.PEERS_CMA}
+    for a in registry.algorithms():
+        assert a.peers == {"zerocopy": ir.PEERS_REGISTERED, "cma": ir.PEERS_CMA}.get(a.name, ir.PEERS_NONE), a
+    channel = lambda src, dst: 0  # noqa: E731 (no rings are reached in these plans' encoding)
+    names_peers = set()
+    for collective, name in ALL:
+        alg = registry.get(collective, name)
+        for n in (2, 3, 5):
+            root = n - 1 if collectives.get(collective).rooted else 0
+            plan = plan_call(alg, n, 3 * n + 1, 4, root=root)
+            where = ir._peer_region(plan)
+            if where is None:
+                continue
+            names_peers.add((collective, name))
+            assert alg.peers != ir.PEERS_NONE, (collective, name, n, where)
+            for rank in range(n):
+                ir.encode(plan, rank, channel, 0, 1, alg.peers)
+                with pytest.raises(ValueError, match="names peer regions .*PEERS_NONE"):
+                    ir.encode(plan, rank, channel, 0, 1)
+    assert {name for _, name in names_peers} == {"zerocopy", "cma"}
