@@ -34,6 +34,16 @@ transport), gloo through ``torch.multiprocessing.spawn`` with a ``file://`` rend
 loopback interface. The libraries take turns per collective, so a noisy moment hits them alike.
 Rank 0 of each shmcoll launch also sends the communicator's INFO lines about ``auto`` (the
 launch's race, the algorithm of each size), and the report says per round what ``auto`` ran.
+
+**The machine's spells.** On the 2-core VMs these runs were made on, how fast one core hands
+another freshly written data changed by up to 5x from minute to minute (``cross_core.py``), and a
+round that falls in a slow spell moves the median of 3 at small sizes. So right before and right
+after every launch the driver times that hand-off (:func:`handoff_probe`: 64 B and 64 KiB between
+two threads on two CPUs, about 20 ms, nothing else running), and the report names each launch
+whose probe was more than :data:`SPELL_FACTOR` times the run's median (:func:`spells`), beside the
+sizes where the best peer was faster. ``--drop-spells`` leaves those launches out of the tables
+(they stay in the JSON). A spell can begin or end inside a launch, between its two probes, so the
+flag is evidence, not proof; the paired ratio remains the figure that a spell hits on both sides.
 """
 
 from __future__ import annotations
@@ -85,6 +95,10 @@ PEER_NAMES = ("openmpi", "mpich", "gloo")
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PEERS_DIR = REPO / ".peers"
 SMALL_BYTES = 64 << 10  # the split between the two geometric means under each table
+# A launch whose hand-off probe, before or after it, took more than this times the run's median
+# for that size was in a slow spell (see the module doc).
+SPELL_FACTOR = 2.0
+PROBE_SIZES = {"64 B": (64, 2000), "64 KiB": (64 << 10, 200)}  # label: (bytes, rounds)
 
 
 # ================================================================================================
@@ -1034,6 +1048,10 @@ def format_text(comp: Comparison) -> str:
     if choices:
         out.append("# what auto ran in shmcoll's launches (the launch's race; the algorithm per size):")
         out += [f"#   {c}" for c in choices]
+    spelled = spell_lines(comp)
+    if spelled:
+        out.append(f"# launches in a slow spell (probe over {SPELL_FACTOR:g}x the run's median):")
+        out += [f"#   {line}" for line in spelled]
     problems = [r for r in comp.runs if r["status"] != "ok"]
     for r in _dedupe_problems(problems):
         out.append(f"# {r}")
@@ -1132,6 +1150,14 @@ def format_markdown(comp: Comparison) -> str:
     if slower:
         out += ["## Where the best peer is faster (ratio < 1)", ""]
         out += [f"- {p}" for p in slower] + [""]
+    spelled = spell_lines(comp)
+    if spelled:
+        out += ["## Launches in a slow spell", ""]
+        out.append(
+            f"The cores' hand-off, timed right before and after each launch, took over {SPELL_FACTOR:g}x "
+            "the run's median (`compare_peers.handoff_probe`):"
+        )
+        out += [""] + [f"- {line}" for line in spelled] + [""]
     choices = auto_choices(comp)
     if choices:
         out += ["## What `auto` ran in shmcoll's launches", ""]
@@ -1222,7 +1248,10 @@ def auto_choices(comp: Comparison) -> list[str]:
 def slower_points(comp: Comparison, tables: dict[tuple[str, int], list[Line]] | None = None) -> list[str]:
     """Every size where the best peer's median time beats shmcoll's, with the paired ratio: one
     under 1 too says the peer was faster round by round, one of 1 or more that a slow spell in
-    some round made the medians disagree. ``tables``: :func:`compare`'s, if the caller has them."""
+    some round made the medians disagree; and the launches of shmcoll and that peer there that were
+    in a slow spell (:func:`spells`; none where ``--drop-spells`` left them out). ``tables``:
+    :func:`compare`'s, if the caller has them."""
+    slow = {} if "dropped" in comp.meta else spells(comp)
     out = []
     for (collective, world), lines in (tables if tables is not None else compare(comp)).items():
         for ln in lines:
@@ -1232,6 +1261,13 @@ def slower_points(comp: Comparison, tables: dict[tuple[str, int], list[Line]] | 
             paired = _shown_paired(ln)
             if paired is not None:
                 text += f" (paired over {paired[1]} rounds: {paired[0]:.2f})"
+            hit = sorted(
+                f"{lib} round {rnd + 1}"
+                for (lib, coll, w, rnd) in slow
+                if coll == collective and w == world and lib in ("shmcoll", ln.best)
+            )
+            if hit:
+                text += f"; in a slow spell: {', '.join(hit)}"
             out.append(text)
     return out
 
@@ -1397,6 +1433,69 @@ def build_plans(args: argparse.Namespace) -> list[Plan]:
     return plans
 
 
+@functools.cache
+def _cross_core() -> Any:
+    """``benchmarks/cross_core.py`` as a module (it needs shmcoll, which only the driver has)."""
+    spec = importlib.util.spec_from_file_location("cross_core", Path(__file__).with_name("cross_core.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("cross_core", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def handoff_probe() -> dict[str, float] | None:
+    """Microseconds of one cross-core round (a write on one CPU, read on another, and the answer)
+    per :data:`PROBE_SIZES` label, on the first two CPUs this process may use: the machine's spell
+    at this moment. None where there are not two CPUs."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    if len(cpus) < 2:
+        return None
+    round_us = _cross_core().round_us
+    return {label: round_us(nbytes, rounds, tuple(cpus))[0] for label, (nbytes, rounds) in PROBE_SIZES.items()}
+
+
+def spells(comp: Comparison, factor: float = SPELL_FACTOR) -> dict[tuple[str, str, int, int], str]:
+    """The launches in a slow spell, keyed ``(library, collective, world size, round)``: those whose
+    probe before or after them took more than ``factor`` times the run's median for that size,
+    with what it measured, as text. Runs without probes (older JSON, ``--no-probe``): none."""
+    values: dict[str, list[float]] = {}
+    for run in comp.runs:
+        for probe in (run.get("probe") or {}).values():
+            for label, us in (probe or {}).items():
+                values.setdefault(label, []).append(us)
+    median = {label: float(np.median(xs)) for label, xs in values.items()}
+    out: dict[tuple[str, str, int, int], str] = {}
+    for run in comp.runs:
+        worst: dict[str, float] = {}
+        for probe in (run.get("probe") or {}).values():
+            for label, us in (probe or {}).items():
+                worst[label] = max(worst.get(label, 0.0), us)
+        slow = [label for label, us in worst.items() if median[label] > 0 and us > factor * median[label]]
+        if slow:
+            words = ", ".join(f"{label} {worst[label]:.2f} us (median {median[label]:.2f})" for label in slow)
+            out[(run["library"], run["collective"], run["world_size"], run["round"])] = f"hand-off {words}"
+    return out
+
+
+def without_spells(comp: Comparison, factor: float = SPELL_FACTOR) -> Comparison:
+    """``comp`` without the measurements of launches in a slow spell (:func:`spells`); the
+    launches left out are listed in ``meta["dropped"]``."""
+    slow = spells(comp, factor)
+    kept = [m for m in comp.measurements if (m.library, m.row.collective, m.row.world_size, m.round) not in slow]
+    dropped = [f"{lib}, {coll}, {world} ranks, round {rnd + 1}: {why}" for (lib, coll, world, rnd), why in slow.items()]
+    return dataclasses.replace(comp, measurements=kept, meta={**comp.meta, "dropped": dropped})
+
+
+def spell_lines(comp: Comparison) -> list[str]:
+    """One line per launch in a slow spell, and whether the tables left it out."""
+    dropped = comp.meta.get("dropped")
+    if dropped is not None:
+        return [f"left out of the tables: {d}" for d in dropped]
+    slow = spells(comp)
+    return [f"{lib}, {coll}, {world} ranks, round {rnd + 1}: {why}" for (lib, coll, world, rnd), why in slow.items()]
+
+
 def run_comparison(args: argparse.Namespace, peers: Sequence[Peer], log: Callable[[str], None]) -> Comparison:
     """Every round, plan and library in turn; keeps going past peers that are missing or fail."""
     libraries = [p.name for p in peers]
@@ -1461,6 +1560,7 @@ def run_comparison(args: argparse.Namespace, peers: Sequence[Peer], log: Callabl
                             comp.measurements.append(Measurement(name, rnd, row_from_record(rec)))  # noqa: B023
 
                     log(f"round {rnd + 1}/{args.repeat}, {plan.world_size} ranks, {plan.collective}: {peer.name} ...")
+                    before = handoff_probe() if args.probe else None
                     res = launch(
                         peer.command(plan_file, plan.world_size),
                         peer.env(),
@@ -1468,6 +1568,7 @@ def run_comparison(args: argparse.Namespace, peers: Sequence[Peer], log: Callabl
                         args.stall_timeout,
                         on_record,
                     )
+                    after = handoff_probe() if args.probe else None
                 rows = sum(1 for r in res.records if r.get("type") == "row")
                 log(f"    {res.status}: {rows}/{len(plan.sizes)} sizes in {res.seconds:.1f} s {res.detail}".rstrip())
                 comp.runs.append(
@@ -1480,6 +1581,7 @@ def run_comparison(args: argparse.Namespace, peers: Sequence[Peer], log: Callabl
                         "detail": res.detail if res.status != "ok" or rows == len(plan.sizes) else "missing sizes",
                         "seconds": res.seconds,
                         **({"auto": auto_lines} if auto_lines else {}),
+                        **({"probe": {"before": before, "after": after}} if before or after else {}),
                     }
                 )
                 comp.meta["duration_s"] = time.monotonic() - t0
@@ -1525,6 +1627,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--timeout", type=float, default=1800.0, help="deadline of one library's sweep, s (1800)")
     ap.add_argument("--stall-timeout", type=float, default=600.0, help="deadline for each next size, s (600)")
+    ap.add_argument(
+        "--no-probe",
+        dest="probe",
+        action="store_false",
+        help="do not time the cores' hand-off before and after each launch (the spell probe)",
+    )
+    ap.add_argument(
+        "--drop-spells",
+        action="store_true",
+        help=f"leave launches whose probe was over {SPELL_FACTOR:g}x the run's median out of the tables",
+    )
     ap.add_argument("--json", help="write every raw row, the runs and the machine facts as JSON")
     ap.add_argument("--markdown", help="write the tables and machine facts as Markdown (for RESULTS.md)")
     ap.add_argument("--plot", help="plot busbw vs size to a PNG (needs matplotlib)")
@@ -1586,6 +1699,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         comp = run_comparison(args, peers, log)
         if args.json:
             write_json(comp, args.json)
+    if args.drop_spells:
+        comp = without_spells(comp)
     print(format_text(comp))
     if args.markdown:
         Path(args.markdown).write_text(format_markdown(comp))

@@ -139,6 +139,9 @@ def test_parse_args_defaults_and_errors() -> None:
     assert a.collectives == list(cp.COLLECTIVES)
     assert (a.min_bytes, a.max_bytes, a.step_factor) == (8, 256 << 20, 2.0)
     assert a.peers == ["openmpi", "mpich", "gloo"]
+    assert a.probe and not a.drop_spells
+    a = cp.parse_args(["--no-probe", "--drop-spells"])
+    assert not a.probe and a.drop_spells
     a = cp.parse_args(["-n", "3", "-c", "allreduce,alltoall", "-e", "1M", "--peers", "", "--peer-env", "gloo=/x"])
     assert a.nprocs == [3] and a.collectives == ["allreduce", "alltoall"] and a.max_bytes == 1 << 20
     assert a.peers == [] and a.peer_env == {"gloo": Path("/x")}
@@ -647,6 +650,13 @@ def test_run_comparison_with_fake_wrong_and_missing_peers(tmp_path: Path) -> Non
             assert ln.best == (None if collective == "broadcast" else "openmpi")
     assert comp.meta["libraries"]["openmpi"]["version"] == "fake 1.0"
     assert len(cp.load_json([args.json]).measurements) == len(comp.measurements) == 12
+    # every launch was probed before and after, and the probes are in the JSON
+    ran = [r for r in comp.runs if r["status"] == "ok"]
+    if len(os.sched_getaffinity(0)) < 2:  # (no two CPUs to hand data between: no probe)
+        assert ran and not any("probe" in r for r in ran)
+        return
+    assert ran and all(set(r["probe"]) == {"before", "after"} for r in ran)
+    assert [r.get("probe") for r in cp.load_json([args.json]).runs if r["status"] == "ok"] == [r["probe"] for r in ran]
 
 
 def test_real_shmcoll_worker_with_no_peers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -692,3 +702,77 @@ def test_auto_log_keeps_info_and_shows_only_warnings(capfd: pytest.CaptureFixtur
     finally:
         for h in list(logger.handlers):
             logger.removeHandler(h)
+
+
+# --- the spell probe ----------------------------------------------------------------------------
+def test_handoff_probe_times_both_sizes() -> None:
+    if len(os.sched_getaffinity(0)) < 2:
+        assert cp.handoff_probe() is None
+        return
+    probe = cp.handoff_probe()
+    assert probe is not None and set(probe) == set(cp.PROBE_SIZES)
+    assert 0 < probe["64 B"] < probe["64 KiB"] < 10_000  # us: a round moves the bytes twice
+
+
+def _probed(slow: set[tuple[str, int]]) -> Any:
+    """Three rounds of one size, shmcoll and openmpi; the launches in ``slow`` (library, round) had
+    a probe 3x the others' before or after them, the others 1.1x or less."""
+    M = cp.Measurement
+    ms = [M("shmcoll", k, _row("broadcast", 2, 8, t)) for k, t in enumerate((1.0, 5.0, 1.1))]
+    ms += [M("openmpi", k, _row("broadcast", 2, 8, t)) for k, t in enumerate((1.2, 1.3, 1.0))]
+    runs = []
+    for lib in ("shmcoll", "openmpi"):
+        for k in range(3):
+            fast = {"64 B": 0.12 + 0.01 * k, "64 KiB": 10.0}
+            late = {"64 B": 0.36, "64 KiB": 10.5} if (lib, k) in slow else fast
+            run = {"library": lib, "world_size": 2, "collective": "broadcast", "round": k, "status": "ok"}
+            runs.append(run | {"detail": "", "seconds": 1.0, "probe": {"before": fast, "after": late}})
+    return cp.Comparison(["shmcoll", "openmpi"], ms, runs, {})
+
+
+def test_spells_name_the_launches_whose_probe_was_slow() -> None:
+    comp = _probed({("shmcoll", 1)})
+    slow = cp.spells(comp)
+    assert list(slow) == [("shmcoll", "broadcast", 2, 1)]
+    assert slow[("shmcoll", "broadcast", 2, 1)] == "hand-off 64 B 0.36 us (median 0.13)"
+    assert cp.spells(comp, factor=3.0) == {}  # (0.36 is under 3x the median of 0.13)
+    # shmcoll's median is its slow round's 1.1 against openmpi's 1.2; shown beside the spell
+    (line,) = cp.compare(comp)[("broadcast", 2)]
+    assert line.ratios["openmpi"] == pytest.approx(1.2 / 1.1)
+    text, md = cp.format_text(comp), cp.format_markdown(comp)
+    assert "#   shmcoll, broadcast, 2 ranks, round 2: hand-off 64 B 0.36 us (median 0.13)" in text
+    assert "## Launches in a slow spell" in md
+    assert "- shmcoll, broadcast, 2 ranks, round 2: hand-off 64 B 0.36 us (median 0.13)" in md
+    # no probes (an older JSON, --no-probe): no spells, nothing said
+    bare = dataclasses.replace(comp, runs=[{k: v for k, v in r.items() if k != "probe"} for r in comp.runs])
+    assert cp.spells(bare) == {} and "slow spell" not in cp.format_text(bare) + cp.format_markdown(bare)
+
+
+def test_slower_points_say_which_launches_were_in_a_spell() -> None:
+    comp = _probed({("shmcoll", 1), ("openmpi", 2)})
+    comp.measurements[1] = cp.Measurement("shmcoll", 1, _row("broadcast", 2, 8, 5.0))
+    comp.measurements[2] = cp.Measurement("shmcoll", 2, _row("broadcast", 2, 8, 1.5))  # median 1.5
+    (point,) = cp.slower_points(comp)
+    assert point == (
+        "broadcast, 2 ranks, 8 B: openmpi 0.80 (paired over 3 rounds: 0.67); in a slow spell: "
+        "openmpi round 3, shmcoll round 2"
+    )
+
+
+def test_drop_spells_leaves_those_launches_out_of_the_tables(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    comp = _probed({("shmcoll", 1)})
+    kept = cp.without_spells(comp)
+    assert len(kept.measurements) == 5 and all((m.library, m.round) != ("shmcoll", 1) for m in kept.measurements)
+    (line,) = cp.compare(kept)[("broadcast", 2)]
+    assert line.cells["shmcoll"].time_us == pytest.approx(1.05)  # the median of rounds 1 and 3
+    assert line.paired["openmpi"][1] == 2  # the dropped round pairs with nothing
+    md = cp.format_markdown(kept)
+    assert "- left out of the tables: shmcoll, broadcast, 2 ranks, round 2: hand-off 64 B 0.36 us" in md
+    assert comp.measurements and len(comp.measurements) == 6  # the original is untouched
+    # from the command line, on a saved run
+    path = tmp_path / "run.json"
+    cp.write_json(comp, path)
+    assert cp.main(["--from-json", str(path), "--drop-spells"]) == 0
+    assert "left out of the tables: shmcoll, broadcast, 2 ranks, round 2" in capsys.readouterr().out
