@@ -499,11 +499,13 @@ def _step(prog, row, base, inp, out, tmp, data, ctrl, state):  # type: ignore[no
                 late = count
             elif send:
                 copy(data, out_off, dst, doff, store, x, xoff, count)
-            elif (a_which >> 2) != 0 and prog[0, HD_REGISTERED] == PEERS_CMA:
+            # (region codes from 4 on name a peer's buffer: ir.Region.code; -1 is no region, as
+            # a received message's step has for ``a``)
+            elif a_which >= 4 and prog[0, HD_REGISTERED] == PEERS_CMA:
                 st = _peer_copy(prog, row, base, dst, doff, item, ctrl, state, False)
                 if st != OK:
                     return st
-            elif (d_which >> 2) != 0 and prog[0, HD_REGISTERED] == PEERS_CMA:
+            elif d_which >= 4 and prog[0, HD_REGISTERED] == PEERS_CMA:
                 st = _peer_copy(prog, row, base, x, xoff, item, ctrl, state, True)
                 if st != OK:
                     return st
