@@ -58,9 +58,9 @@ call must choose the same algorithm (``select.choose`` decides on the out-of-pla
 measured case would want a rule on it: an in-place broadcast at 4 ranks from 1 to 16 MiB was
 slower than the rings, and is left to them (:func:`_broadcast_skips`; in place is the common
 broadcast). An in-place alltoall, slower than ``direct`` at every size while it staged its
-blocks in scratch, now swaps them and is faster from 128 KiB (see :func:`_swaps`); at 32 KiB,
-where ``auto`` starts weighing cma at 2 ranks, it took 3.7 us against 3.4 for ``direct`` in
-place, 64 KiB a tie (3 runs).
+blocks in scratch, now swaps them and is faster from 128 KiB (see :func:`_swaps`); at 32 KiB it
+took 3.7 us against 3.4 for ``direct`` in place, 64 KiB a tie (3 runs; ``auto`` weighs cma at 2
+ranks from 64 KiB, :func:`_blocks_from`).
 """
 
 from __future__ import annotations
@@ -83,11 +83,22 @@ def auto_from(world_size: int) -> int:
 
 def _blocks_from(world_size: int) -> int:
     """:func:`auto_from` for allgather and alltoall, where every rank copies a block to every
-    peer at once: 32 KiB at 2 ranks (32 KiB: alltoall 3.18 against 3.64 us for ``direct``,
-    allgather 2.99 against 3.03 for ``ring``; 16 KiB: cma 0.2-0.5 us slower), 256 KiB above (at
-    4 ranks, 256 KiB, since the plans write into their peers: allgather 33 against 46-52 us for
-    the others, alltoall 35 against 53 for ``direct``; 64 KiB: cma 1.3x slower)."""
-    return 32 << 10 if world_size <= 2 else 256 << 10
+    peer at once: 64 KiB at 2 ranks, 256 KiB above (at 4 ranks, 256 KiB, since the plans write
+    into their peers: allgather 33 against 46-52 us for the others, alltoall 35 against 53 for
+    ``direct``; 64 KiB: cma 1.3x slower).
+
+    At 2 ranks, 32 KiB: on the Zen 5 VM (stop 47, ``shmcoll bench -n 2 -c allgather,alltoall
+    -b 32K -e 32K -a direct,cma``, 8 launches each way) ``direct`` was the faster in 7 of 8
+    launches out of place (medians: allgather 3.98 against 5.26 us, alltoall 3.70 against 4.93;
+    Open MPI took 5.1-5.2 there) and in 6 of 8 in place (4.34 against 5.67, 4.35 against 8.38),
+    losing only in launches where the machine's slow spell had the rings' copies 2-3x slower
+    (9.6-10.3 against 5.5-6.4). At 64 KiB the two tie where the machine is quiet (out of place
+    ``direct`` 6.04-6.17, cma 6.16-6.35) and cma is 2.4x faster in a spell (7.6-7.9 against
+    18.6). The Intel VM where 32 KiB was chosen had cma faster at 32 KiB (alltoall 3.18 against
+    3.64 us, allgather 2.99 against 3.03 for ``ring``); the race of ``Query.cma_crossover`` cannot
+    tell the two machines apart there, as its ladder starts at 16 KiB blocks, where the kernel
+    won on both."""
+    return 64 << 10 if world_size <= 2 else 256 << 10
 
 
 def _gather_from(world_size: int) -> int:

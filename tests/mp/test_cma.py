@@ -153,8 +153,9 @@ def test_auto_weighs_cma_only_for_large_calls() -> None:
 
     assert pick(16 << 20) == "cma"  # one copy instead of two: the model sees it
     assert pick(16 << 10) != "cma"  # a system call per block does not pay below auto_from
-    for collective in ("allgather", "alltoall", "broadcast"):  # 2 ranks: from 32 KiB
-        assert pick(32 << 10, collective=collective) == "cma", collective
+    assert pick(32 << 10, collective="broadcast") == "cma"  # 2 ranks: from 32 KiB
+    for collective in ("allgather", "alltoall"):  # 2 ranks: from 64 KiB (direct faster at 32)
+        assert pick(32 << 10, collective=collective) != "cma" and pick(64 << 10, collective=collective) == "cma"
     assert pick(32 << 10, collective="scatter") != "cma" and pick(64 << 10, collective="scatter") == "cma"
     assert pick(16 << 20, permitted=False) != "cma"
     assert pick(128 << 10, n=4) != "cma" and pick(16 << 20, n=4) == "cma"  # more ranks, more syncs
