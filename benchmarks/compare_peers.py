@@ -43,7 +43,9 @@ two threads on two CPUs, about 20 ms, nothing else running), and the report name
 whose probe was more than :data:`SPELL_FACTOR` times the run's median (:func:`spells`), beside the
 sizes where the best peer was faster. ``--drop-spells`` leaves those launches out of the tables
 (they stay in the JSON). A spell can begin or end inside a launch, between its two probes, so the
-flag is evidence, not proof; the paired ratio remains the figure that a spell hits on both sides.
+flag is evidence, not proof (stop 47's full run: a flagged launch was slow in 40 of 78, an
+unflagged one in 20 of 66; ``benchmarks/RESULTS.md``); the paired ratio remains the figure that a
+spell hits on both sides.
 """
 
 from __future__ import annotations
