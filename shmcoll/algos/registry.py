@@ -58,7 +58,9 @@ class Algorithm:
     ``auto_huge(query, size)`` holds (``Query.huge_pages``: every rank's buffers are on huge
     pages, as the ranks agreed), the automatic choice takes it before a tune table's
     measurements, which were taken on buffers whose pages nobody knew. (There is no rule on in
-    place: it is per rank, and every rank of a call must choose alike.)
+    place: it is per rank, and every rank of a call must choose alike.) ``peers`` says how its
+    plans reach regions on other ranks (``ir.PEERS_*``: none, the registered allocation of
+    ``zerocopy``, cross-memory attach for ``cma``); the engine reads it from each program's header.
     """
 
     collective: str
