@@ -117,6 +117,25 @@ def _broadcast_from(world_size: int) -> int:
     return 32 << 10 if world_size <= 2 else auto_from(world_size)
 
 
+# Where ranks are at least twice the machine's cores (4 ranks on 2 cores, 8 on 2 or 4), ``auto``
+# weighs cma for broadcast from 1 MiB on (:func:`_broadcast_skips` leaves 1-16 MiB to the rings
+# elsewhere): every hand-off of a tree or ring then waits for the scheduler to run a rank that
+# shares a core, which a kernel copy never does, and how long that takes swings with the machine's
+# spells far more than the kernel's copy. On the 2-core Zen 4 VM of stop 48, 4 ranks, ``dbtree``
+# (``auto``'s pick there until then; ``ring`` no faster) against cma, in place, medians of three
+# runs' launches (``shmcoll bench -c broadcast --both``, the algorithms' order turned, and ``auto``
+# before and after this rule; ``benchmarks/RESULTS.md``, stop 48): 1 MiB 771 / 294, 259 / 193, 144
+# / 162 us; 4 MiB 3366 / 734, 1152 / 638, 643 / 504; out of place 1 MiB 875 / 356, 277 / 202, 158
+# / 201; 4 MiB 3626 / 1093, 1595 / 1229, 845 / 733. 8 ranks, 2 launches: in place 1 MiB 1545 /
+# 675, 4 MiB 5921 / 1971. At 256 KiB the spell decides (227 / 93, 64 / 45, 36 / 57): left to the
+# rings. At 3 ranks on 2 cores ``dbtree`` won at 256 KiB and tied at 1-4 MiB: left as it was.
+
+
+def _crowded(query: Query) -> bool:
+    """Whether the call's ranks are at least twice the machine's cores (see above)."""
+    return bool(query.cores) and query.world_size >= 2 * query.cores
+
+
 # Where ranks outnumber cores, ``auto`` weighs cma from these call sizes on whatever the race of
 # ``Query.cma_crossover`` says: the race runs two threads on two cores, and with more ranks than
 # cores the rings' hand-offs wait for the scheduler too, which a kernel copy does not. Measured
@@ -344,7 +363,8 @@ _whole = zerocopy._whole  # no slots carry data, so a call is never cut into pie
 
 def _broadcast_skips(query: Query, size: int) -> bool:
     """Where ``auto`` leaves broadcast to the rings although cma is weighed below and above: from
-    1 MiB to 16 MiB at 3 ranks and more. In place (the form MPI's and torch's broadcast have) the
+    1 MiB to 16 MiB at 3 ranks and more, unless the ranks are at least twice the machine's cores
+    (:func:`_crowded`). In place (the form MPI's and torch's broadcast have) the
     rings were faster there at 4 ranks (``shmcoll bench -c broadcast -a cma,ring,dbtree``, two
     runs: 4 MiB 648-678 us for ``ring`` against 750-818 for cma; 1 MiB a tie; 16 and 64 MiB cma
     1.9x and 1.5x faster), while out of place cma was as fast or faster; ``auto`` cannot tell the
@@ -356,7 +376,10 @@ def _broadcast_skips(query: Query, size: int) -> bool:
     The crossover's rule holds here too (:func:`_below_crossover`)."""
     if _on_huge_pages(query, size):
         return False
-    return (query.world_size > 2 and 1 << 20 <= size < 16 << 20) or _below_crossover(query, size)
+    n = query.world_size
+    if n > 2 and 1 << 20 <= size < 16 << 20 and not _crowded(query):
+        return True
+    return _below_crossover(query, size)
 
 
 # Elements from which an out-of-place broadcast's peers fill part of the root's output (2 ranks,

@@ -189,6 +189,28 @@ def test_auto_weighs_cma_only_for_large_calls() -> None:
     assert reason.algorithm.name != "cma"  # an override it cannot serve is skipped (and logged)
 
 
+def test_auto_runs_cma_for_broadcast_where_ranks_crowd_the_cores() -> None:
+    """From 1 MiB, where ranks are at least twice the cores (``cma_plans._crowded``), broadcast
+    runs cma instead of leaving 1-16 MiB to the rings: their hand-offs wait for the scheduler
+    there (Zen 4 VM, 4 ranks on 2 cores: ``dbtree`` 1.3-4.6x slower at 1-4 MiB in two of three
+    runs, stop 48). Ranks with a core each, or 3 on 2 cores, keep the rings there; below 1 MiB
+    nothing changes; a race that saw the rings win still holds cma back to OVERSUBSCRIBED_DEFAULT."""
+
+    def pick(nbytes: int, n: int, cores: int, crossover: int = 16 << 10, inplace: bool = False) -> str:
+        q = Query("broadcast", n, nbytes // 4, 4, inplace=inplace, cma=True, cma_crossover=crossover, cores=cores)
+        return choose(q).name
+
+    for n, cores in ((4, 2), (8, 2), (8, 4)):
+        for nbytes in (1 << 20, 4 << 20, 8 << 20, 16 << 20):
+            assert {pick(nbytes, n, cores, inplace=ip) for ip in (False, True)} == {"cma"}, (n, cores, nbytes)
+        assert pick(512 << 10, n, cores) != "cma", (n, cores)  # (the spell decides there: the rings)
+    for n, cores in ((3, 2), (4, 8), (4, 0)):  # not crowded, or cores unknown: the rings from 1 to 16 MiB
+        for nbytes in (1 << 20, 8 << 20):
+            assert pick(nbytes, n, cores) != "cma", (n, cores, nbytes)
+        assert pick(16 << 20, n, cores) == "cma", (n, cores)
+    assert pick(1 << 20, 4, 2, crossover=cma.NEVER) != "cma" and pick(4 << 20, 4, 2, crossover=cma.NEVER) == "cma"
+
+
 def test_auto_weighs_cma_from_the_measured_crossover() -> None:
     """``Query.cma_crossover`` (where two cores exchange blocks no slower by the kernel than
     through the rings) moves where ``auto`` starts weighing cma: from ``n`` blocks of it, never
