@@ -7,7 +7,9 @@ own; each algorithm's time per size is the median over the launches, compared la
 asks the selection which algorithm ``auto`` runs (the same call the communicator makes, with the
 same tune table: ``SHMCOLL_TUNE_FILE``) and compares that algorithm's measured time with the
 fastest one's. Judging auto's *pick* against the same run's measurements, rather than timing
-auto as one more contestant, keeps run-to-run noise out of the comparison.
+auto as one more contestant, keeps run-to-run noise out of the comparison. The picks follow
+this process's own race of the kernel's copy against the rings (``shm.cma.crossover_bytes``),
+run once after the launches, not each launch's: the script prints what that race said.
 
 ``--interleave`` runs twice as many launches and makes the tune table from the even ones (with
 tune's own code) and judges its picks on the odd ones. A tune run and a later check can fall in
@@ -215,6 +217,16 @@ def main() -> int:
             for (c, size), count in counts.items()
         }
         lines, misses = judge(judged, picks, args.tolerance)
+        # The picks follow this process's own race of the kernel against the rings, not the
+        # launches' (each launch races once, before its ranks start). A race can catch a moment
+        # of the machine (a first ladder said "never" in 3 of 40 fresh processes on the Zen 4 VM
+        # of stop 48, where the others said 16 KiB), and it moves every pick from the ladder's
+        # sizes on, so the reader is told which race judged.
+        if cma.probe()[0] and n > 1:
+            print(
+                f"\n# {n} ranks: auto's picks below follow this process's race: "
+                f"{cma.describe_crossover(cma.crossover_bytes())}"
+            )
         print("\n".join(lines))
         bad += misses
     if args.json:

@@ -54,6 +54,9 @@ def test_a_real_launch_of_both_modes(capsys: pytest.CaptureFixture[str], monkeyp
     # (one launch of 2 iterations: too noisy to say whether auto missed, only that both were judged)
     picked = [ln for ln in out.splitlines() if ln.strip()[:1].isdigit() and "*" in ln]
     assert rc in (0, 1) and len(picked) == 4  # 8 B and 64 B, each mode
+    if avb.cma.probe()[0]:  # (the race the picks followed is named, as `shmcoll info` words it)
+        (said,) = [ln for ln in out.splitlines() if "auto's picks below follow this process's race" in ln]
+        assert avb.cma.describe_crossover(avb.cma.crossover_bytes()) in said
 
 
 def test_the_pick_follows_the_buffers_pages(monkeypatch: pytest.MonkeyPatch) -> None:
