@@ -203,7 +203,32 @@ def broadcast(ctx: Context) -> None:
             ctx.send(rank, chain[i + 1], _at(Buf.OUT), count)
 
 
-@register("reduce", "ring")
+# Below this call size ``auto`` leaves reduce's chain out where ranks outnumber the cores.
+_CHAIN_REDUCE_OUTNUMBERED_UNTIL = 16 << 20
+
+
+def _chain_outnumbered(query: Query, size: int) -> bool:
+    """``Algorithm.auto_skip`` for reduce: not below 16 MiB where ranks outnumber the machine's
+    cores (``Query.cores``) at most twice over. The built-in model took the chain from 128 KiB;
+    there every piece waits at each of the chain's ``n-1`` links for the next rank to get a core,
+    where ``dbtree``'s two trees wait at ``log2 n`` links.
+
+    Measured on the 2-core Zen 4 VM (stop 49, ``shmcoll bench -c reduce -a ring,dbtree --both``,
+    sizes 256 KiB to 8 MiB, the order turned between launches; ``ring``'s time over ``dbtree``'s
+    in the same launch):
+    - 3 ranks, 9 launches, 90 points: geometric mean 1.28, the chain slower at 82 and more than
+      1.1x slower at 69;
+    - 4 ranks, 10 launches, 120 points: geometric mean 1.17, slower at 79 (more than 1.1x at 68),
+      faster than 0.9x at 18, mostly in the two launches that ran in a slow spell (the rings' hand-offs
+      5x slower);
+    - 8 ranks, 5 launches, 48 points: geometric mean 0.88, the chain faster at 39: so from three
+      ranks a core the model decides, as it does from 16 MiB (4 ranks: 0.98-1.17 at 8-16 MiB,
+      1.01-1.23 at 32-64 MiB)."""
+    cores = query.cores
+    return bool(cores) and cores < query.world_size <= 2 * cores and size < _CHAIN_REDUCE_OUTNUMBERED_UNTIL
+
+
+@register("reduce", "ring", auto_skip=_chain_outnumbered)
 def reduce(ctx: Context) -> None:
     """Chain ``root+1 -> ... -> root-1 -> root``: add your value, forward; the root finishes."""
     n, root, count = ctx.world_size, ctx.root, ctx.count

@@ -438,6 +438,27 @@ def test_allgatherv_leaves_the_ring_where_ranks_outnumber_cores() -> None:
     assert pick(4, 1 << 20, cores=2) != pick(4, 1 << 20, cores=4)
 
 
+def test_reduce_leaves_the_chain_where_ranks_outnumber_cores() -> None:
+    """Where ranks outnumber cores at most twice over, reduce runs no chain below 16 MiB (the
+    built-in model took ``ring``'s chain from 128 KiB at 3-4 ranks on 2 cores, where ``dbtree``
+    measured up to 1.7x faster); from 16 MiB, at three ranks a core or more, and with a core per
+    rank or unknown cores, the model decides as before."""
+
+    def pick(n: int, nbytes: int, cores: int, inplace: bool = False) -> str:
+        query = Query("reduce", n, nbytes // 4, 4, inplace=inplace, cores=cores)
+        return decide(query, overrides="", slot_bytes=64 * KB).algorithm.name
+
+    for n in (3, 4):
+        for nbytes in (64 * KB, 256 * KB, 1 << 20, 4 << 20, 8 << 20):
+            for inplace in (False, True):
+                assert pick(n, nbytes, 2, inplace) != "ring", (n, nbytes, inplace)
+    assert pick(4, 1 << 20, cores=2) == "dbtree"
+    assert pick(8, 1 << 20, cores=4) == "dbtree"
+    assert {pick(4, 1 << 20, cores) for cores in (0, 4)} == {"ring"}  # (the model, as before)
+    assert pick(8, 1 << 20, cores=2) == "ring"  # (four ranks a core: the model)
+    assert pick(4, 16 << 20, cores=2) == "ring"
+
+
 def test_ranks_outnumbering_cores_pay_a_longer_hand_off() -> None:
     """Where ranks outnumber the machine's cores (``Query.cores``), the built-in model's alpha is
     ``OVERSUBSCRIBED_ALPHA_S``: a chain of forwarding hand-offs (ring's allgather) then loses to
