@@ -12,12 +12,14 @@ call, and a copy from or into a peer's region is one system call (``ir.PEERS_CMA
 first peer's into its output), a 256 KiB part (64 Ki elements) at a time, combines it with its own
 at once, while the part is still in its cache, and writes the finished part into every peer's output
 (no sync between: chunk ``r`` of a peer's buffer is read and then written by rank ``r`` alone).
-**reduce_scatter**: the reads and combinations alone. Each chunk is combined once, by its owner, so
-every rank gets the same bits; the rings copy each byte into a slot and out again, and combine from
-memory. ``shmcoll bench -c allreduce -a all``, in place, when cma still wrote whole chunks (stop 27;
-per-part writes since, see :func:`allreduce`): 2 ranks 256 KiB 14 against 31 us for the best ring, 1
-MiB 64 against 118, 4 MiB 355 against 511, 16 MiB 1390 against 2121; 4 ranks 1 MiB 202 against 295,
-16 MiB 3894 against 5140.
+**reduce_scatter**: the reads and combinations alone; **reduce**: the finished parts written into
+the root's output alone (``auto`` takes it only at 2 ranks on huge pages, 1-8 MiB: :func:`_reduce_skips`).
+Each chunk is combined once, by its owner, so every rank gets the same bits; the rings copy each
+byte into a slot and out again, and combine from memory. ``shmcoll bench -c allreduce -a all``,
+in place, when cma still wrote whole chunks (stop 27; per-part writes since, see
+:func:`allreduce`): 2 ranks 256 KiB 14 against 31 us for the best ring, 1 MiB 64 against 118,
+4 MiB 355 against 511, 16 MiB 1390 against 2121; 4 ranks 1 MiB 202 against 295, 16 MiB 3894
+against 5140.
 **broadcast**: the root writes the first ``1/n`` of its buffer into every peer while each peer
 reads the rest from the root: reading it all, the peers copied while the root's core idled (2
 ranks, in place, 2 MiB 228 -> 64 us, 8 MiB 668 -> 320). Out of place the root's output is
@@ -248,6 +250,7 @@ _REACHED = {
     "broadcast": ((True, True), (False, True)),  # from the root's input, into every output
     "allreduce": ((True, True), (True, True)),
     "reduce_scatter": ((True, False), (True, False)),
+    "reduce": ((True, True), (True, False)),  # peers read every input, and write into the root's output
 }
 
 
@@ -616,7 +619,7 @@ def _part(count: int) -> int:
 
 def _reduction_permitted(query: Query) -> str | None:
     reason = _permitted(query)
-    chunk = -(-query.count // query.world_size) if query.collective == "allreduce" else query.count
+    chunk = -(-query.count // query.world_size) if query.collective in ("allreduce", "reduce") else query.count
     if reason is None and chunk > _PART * _MAX_PARTS:
         return f"more than {_MAX_PARTS} parts of {_PART} elements per rank: the rings serve it"
     return reason
@@ -718,6 +721,70 @@ def allreduce(ctx: Context) -> None:
         off, c = chunks[r]
         if c:
             _reduce_chunk(ctx, r, off, off, c, scratch, spread=True)
+    zerocopy.sync(ctx)
+
+
+# Where a 2-rank reduce on huge pages goes back to the rings (_reduce_skips).
+_REDUCE_HUGE_UNTIL = 8 << 20
+
+
+def _reduce_skips(query: Query, size: int) -> bool:
+    """Where ``auto`` leaves reduce to the rings: everywhere but at 2 ranks where every rank's
+    buffers are on huge pages (:func:`_on_huge_pages`), from 1 MiB to below 8 MiB. Where a rank
+    combines the whole call on the way to the root, the rings' copies run on both cores at once,
+    while cma's kernel copies pin a peer's 4 KiB pages one by one.
+
+    Measured on the 2-core Zen 4 VM (stop 49), cma's time over the fastest of ``direct``,
+    ``dbtree`` and ``ring`` in the same launch (``shmcoll bench -c reduce -b 64K -e 64M -f 4
+    --both``; the 4 of 10 launches that ran into a slow spell, where the rings' hand-offs were 3-5x
+    slower and cma took 0.22-0.45 at most sizes, left out):
+    - numpy's buffers, 2 ranks: 1.07-1.73 at 1 MiB, 0.78-2.00 at 4, 0.99-1.43 at 16; 4 ranks:
+      1.32-2.26 at 1-4 MiB;
+    - huge pages (``--pages huge``), 2 ranks, in place / out of place: 0.48 / 0.66 at 1 MiB, 0.58 /
+      0.78 at 4, 0.88 / 1.31 at 16; 4 ranks 1.06-1.36. A second run (``-b 512K -e 32M -f 2``,
+      4 launches, medians): 1 MiB 0.70 / 0.78, 2 MiB 0.70 / 0.92, 4 MiB 0.66 / 0.89, 8 MiB 0.81
+      / 1.22, 16 MiB 0.93 / 1.23."""
+    return not (query.world_size == 2 and size < _REDUCE_HUGE_UNTIL and _on_huge_pages(query, size))
+
+
+@register(
+    "reduce",
+    "cma",
+    piece=_whole,
+    supports=_reduction_permitted,
+    peers=PEERS_CMA,
+    auto_skip=_reduce_skips,
+    auto_huge=_on_huge_pages,
+)
+def reduce(ctx: Context) -> None:
+    """allreduce's plan with the finished parts written into the root's output alone: rank ``r``
+    reads chunk ``r`` of every peer's input, a part at a time, and combines it with its own (the
+    root into its output, as :func:`_reduce_chunk`; the others, which have no output, in a part of
+    scratch), then writes the part into the root's output. Every rank combines ``1/n`` of the
+    call, where the rings' chain or trees combine all of it on the way to the root."""
+    n, root, count = ctx.world_size, ctx.root, ctx.count
+    chunks = split(count, n)
+    biggest = max(c for _, c in chunks)
+    part = max(_part(biggest), 1)
+    scratch = _scratch(ctx, biggest)
+    acc = ctx.tmp(part) if n > 1 else None  # (a non-root's part, combined)
+    peer = scratch if scratch is not None else ctx.tmp(part)
+    zerocopy.sync(ctx)
+    for r in range(n):
+        off, c = chunks[r]
+        if not c:
+            continue
+        if r == root:
+            _reduce_chunk(ctx, r, off, off, c, scratch)
+            continue
+        assert acc is not None
+        for s in range(0, c, part):
+            m = min(part, c - s)
+            for pos, j in enumerate(_around(r, n)):
+                ctx.copy(r, Region(Buf.IN, off + s, rank=j), peer, m)
+                left = Region(Buf.IN, off + s) if pos == 0 else acc
+                ctx.reduce_local(r, left, peer, acc, m, final=pos == n - 2)
+            ctx.copy(r, acc, Region(Buf.OUT, off + s, rank=root), m)
     zerocopy.sync(ctx)
 
 

@@ -88,6 +88,19 @@ def _large(comm, count: int) -> list[str]:  # type: ignore[no-untyped-def]
     rs = comm.reduce_scatter(blocks.reshape(-1), algorithm="cma")
     if not np.array_equal(rs, sum(val(j + r, count, np.int64) for j in range(n))):
         bad.append("reduce_scatter")
+    root = n - 1  # reduce: the non-roots write their finished parts into the root's buffer
+    y = np.zeros(count + 1, np.int64)[1:]
+    y[...] = val(r, count, np.int64)
+    got = comm.reduce(y, root, out=y if r == root else None, algorithm="cma")  # in place at the root
+    if r == root and (got is not y or not np.array_equal(y, total)):
+        bad.append("reduce in place")
+    if r != root and not np.array_equal(y, val(r, count, np.int64)):
+        bad.append("reduce changed a non-root's input")
+    out = np.full(count, -1.0, np.float32) if r == 0 else None
+    got = comm.reduce(val(r, count), 0, "avg", out=out, algorithm="cma")
+    expected = sum(val(j, count, np.float64) for j in range(n)) / n
+    if r == 0 and (got is not out or not np.allclose(got, expected, rtol=1e-6)):
+        bad.append("reduce avg")
     return bad
 
 
@@ -362,6 +375,30 @@ def test_auto_runs_cma_where_every_rank_is_on_huge_pages() -> None:
         assert picked == {"cma"}, (collective, picked)
 
 
+def test_auto_runs_cma_for_a_reduce_only_at_two_ranks_on_huge_pages() -> None:
+    """reduce: cma at 2 ranks where every rank's buffers are on huge pages, from 1 MiB to below 8
+    MiB, in place or not; the rings on 4 KiB or unknown pages, at 4 ranks, and outside those
+    sizes, whatever the race says (``cma._reduce_skips``)."""
+
+    def picked(nbytes: int, huge: bool | None, n: int = 2, crossover: int = cma.NEVER, inplace: bool = False) -> str:
+        query = Query(
+            "reduce", n, nbytes // 4, 4, inplace=inplace, cma=True, cma_crossover=crossover, cores=2, huge_pages=huge
+        )
+        return decide(query, overrides="").algorithm.name
+
+    for crossover in (cma.NEVER, 16 << 10):
+        for nbytes in (1 << 20, 2 << 20, 4 << 20):
+            assert {picked(nbytes, True, crossover=crossover, inplace=ip) for ip in (False, True)} == {"cma"}
+            assert (
+                picked(nbytes, False, crossover=crossover) != "cma"
+                and picked(nbytes, None, crossover=crossover) != "cma"
+            )
+            assert picked(nbytes, True, n=4, crossover=crossover) != "cma"
+        for nbytes in (256 << 10, 512 << 10, 8 << 20, 16 << 20, 64 << 20):
+            assert picked(nbytes, True, crossover=crossover) != "cma", nbytes
+            assert picked(nbytes, None, crossover=crossover) != "cma", nbytes
+
+
 def _by_pages(comm, kinds: list[str]) -> tuple[list[str], list[str], bool]:  # type: ignore[no-untyped-def]
     """Large calls on buffers of the pages ``kinds[rank]`` names, blocking, nonblocking and
     persistent, with a small allreduce in a loop between them: which plans ran (the labels
@@ -488,6 +525,53 @@ def test_the_buffers_peers_reach_follow_the_plan() -> None:
     assert reached("broadcast", True, 10) == (True, True) and reached("broadcast", False, 10) == (False, True)
     assert reached("allreduce", False, big) == (True, True)
     assert reached("reduce_scatter", False, 10) == (True, False)
+    assert reached("reduce", True, 10) == (True, True) and reached("reduce", False, 10) == (True, False)
+
+
+def _reduce_by_pages(comm, kinds: list[str]) -> tuple[list[str], bool]:  # type: ignore[no-untyped-def]
+    """A 2 MiB reduce onto each rank in turn, in place and out of place, on buffers of the pages
+    ``kinds[rank]`` names: which plans the ranks agreed on, and whether every result was exact."""
+    from shmcoll.comm import pages as agreement
+    from shmcoll.shm import pages
+
+    ran: list[str] = []
+    own = agreement.agreed
+
+    def spy(rt, b, timeout):  # type: ignore[no-untyped-def]
+        chosen = own(rt, b, timeout)
+        ran.append(chosen[0].label)
+        return chosen
+
+    agreement.agreed = spy  # type: ignore[assignment]
+    try:
+        r, n = comm.rank, comm.world_size
+        count = (2 << 20) // 4
+        x = pages.array(count, np.float32, kinds[r])
+        out = pages.array(count, np.float32, kinds[r])
+        exact = True
+        for root in range(n):
+            for inplace in (False, True):
+                x[...] = np.arange(count, dtype=np.float32) % 1000 + r
+                out[...] = -1
+                got = comm.reduce(x, root, out=(x if inplace else out) if r == root else None)
+                expected = n * (np.arange(count, dtype=np.float32) % 1000) + sum(range(n))
+                exact &= r != root or bool(np.array_equal(got, expected))
+        return ran, exact
+    finally:
+        agreement.agreed = own  # type: ignore[method-assign]  # the pool's processes live on
+
+
+@permitted
+@pytest.mark.skipif(not pages.can_scan(), reason="no PAGEMAP_SCAN here (Linux 6.7 and later)")
+@pytest.mark.skipif(pages.thp_setting() not in ("always", "madvise"), reason="no transparent huge pages")
+@pytest.mark.parametrize("kinds", [["huge", "huge"], ["huge", "small"], ["small", "huge"]])
+def test_a_reduce_runs_cma_where_both_ranks_are_on_huge_pages(kinds: list[str]) -> None:
+    """A 2-rank reduce from 1 MiB is page-aware (``cma._reduce_skips``): cma where both ranks'
+    buffers are on huge pages, the rings elsewhere, exact either way; the root's output is among
+    what its peer reaches, and a non-root's input."""
+    for ran, exact in run_ranks(_reduce_by_pages, 2, kinds, timeout=120):
+        assert exact
+        assert len(ran) == 4 and all(("algorithm=cma" in label) == (kinds == ["huge", "huge"]) for label in ran), ran
 
 
 def _random_votes(comm, calls: int) -> tuple[list[bool], list[str]]:  # type: ignore[no-untyped-def]

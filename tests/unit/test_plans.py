@@ -412,6 +412,27 @@ def test_cma_allreduce_writes_each_part_while_it_is_in_cache(n: int) -> None:
     assert "parts" in (registry.get("allreduce", "cma").supports(big) or "")
 
 
+def test_cma_reduce_writes_each_finished_part_into_the_root_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cma's reduce is allreduce's plan with each finished part written into the root's output
+    alone: every rank combines its chunk, reading it from every peer; the root writes nothing into
+    a peer. The plans verify for every root, in place or not, parts of 3 elements."""
+    monkeypatch.setattr(cma, "_PART", 3)
+    alg = registry.get("reduce", "cma")
+    for n in range(1, 6):
+        for count in (0, 1, 5, 7, 13):
+            for root in range(n):
+                for inplace in (False, True):
+                    plan = plan_call(alg, n, count, 100, root=root, inplace=inplace)
+                    verify(plan, world_size=n, count=count, root=root, inplace=inplace)
+                    for rank in range(n):
+                        program = [s for s in plan.tail.programs[rank] if s.count]
+                        written = {s.dst.rank for s in program if s.dst is not None and s.dst.rank is not None}
+                        owns = split(count, n)[rank][1] > 0  # (its chunk)
+                        assert written == ({root} if rank != root and owns else set()), (n, count, root, rank)
+    big = registry.Query("reduce", 2, 2 * cma._PART * cma._MAX_PARTS + 2, 4, cma=True)
+    assert "parts" in (alg.supports(big) or "")
+
+
 def _drop_cma_sync(collective: str, which: int, inplace: bool = False):  # type: ignore[no-untyped-def]
     plan = plan_call(registry.get(collective, "cma"), 2, 6, 100, inplace=inplace)
     programs = []
