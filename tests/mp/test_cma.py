@@ -4,10 +4,12 @@ automatic choice, and the clean fallback when it is turned off or not permitted.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -399,12 +401,11 @@ def test_auto_runs_cma_for_a_reduce_only_at_two_ranks_on_huge_pages() -> None:
             assert picked(nbytes, None, crossover=crossover) != "cma", nbytes
 
 
-def _by_pages(comm, kinds: list[str]) -> tuple[list[str], list[str], bool]:  # type: ignore[no-untyped-def]
-    """Large calls on buffers of the pages ``kinds[rank]`` names, blocking, nonblocking and
-    persistent, with a small allreduce in a loop between them: which plans ran (the labels
-    ``comm.pages.agreed`` returned), what was wrong, and whether the small call kept its lean path."""
+@contextlib.contextmanager
+def _agreed_plans() -> Iterator[list[str]]:
+    """The labels of the plans ``comm.pages.agreed`` returns while the block runs, in order
+    (restored after it: the pool's processes live on)."""
     from shmcoll.comm import pages as agreement
-    from shmcoll.shm import pages
 
     ran: list[str] = []
     own = agreement.agreed
@@ -415,11 +416,23 @@ def _by_pages(comm, kinds: list[str]) -> tuple[list[str], list[str], bool]:  # t
         return chosen
 
     agreement.agreed = spy  # type: ignore[assignment]
+    try:
+        yield ran
+    finally:
+        agreement.agreed = own  # type: ignore[method-assign]
+
+
+def _by_pages(comm, kinds: list[str]) -> tuple[list[str], list[str], bool]:  # type: ignore[no-untyped-def]
+    """Large calls on buffers of the pages ``kinds[rank]`` names, blocking, nonblocking and
+    persistent, with a small allreduce in a loop between them: which plans ran (the labels
+    ``comm.pages.agreed`` returned), what was wrong, and whether the small call kept its lean path."""
+    from shmcoll.shm import pages
+
     # As where the rings win the launcher's race (the 2-core VM, unloaded): auto's choice then
     # hinges on pages. (A race run while other tests load the machine can say the kernel wins,
     # and cma is then the choice on any pages.)
     comm._cma_crossover = cma.NEVER
-    try:
+    with _agreed_plans() as ran:
         r, n, kind = comm.rank, comm.world_size, kinds[comm.rank]
         count = (2 << 20) // 4  # 2 MiB per rank: the calls are 2-6 MiB
         bad = []
@@ -474,8 +487,6 @@ def _by_pages(comm, kinds: list[str]) -> tuple[list[str], list[str], bool]:  # t
         comm.allreduce(tiny)
         kept = comm._lean[collectives.get("allreduce").code] is lean and (tiny == n**5).all()
         return ran, bad, bool(kept)
-    finally:
-        agreement.agreed = own  # type: ignore[method-assign]  # the pool's processes live on
 
 
 @permitted
@@ -531,19 +542,9 @@ def test_the_buffers_peers_reach_follow_the_plan() -> None:
 def _reduce_by_pages(comm, kinds: list[str]) -> tuple[list[str], bool]:  # type: ignore[no-untyped-def]
     """A 2 MiB reduce onto each rank in turn, in place and out of place, on buffers of the pages
     ``kinds[rank]`` names: which plans the ranks agreed on, and whether every result was exact."""
-    from shmcoll.comm import pages as agreement
     from shmcoll.shm import pages
 
-    ran: list[str] = []
-    own = agreement.agreed
-
-    def spy(rt, b, timeout):  # type: ignore[no-untyped-def]
-        chosen = own(rt, b, timeout)
-        ran.append(chosen[0].label)
-        return chosen
-
-    agreement.agreed = spy  # type: ignore[assignment]
-    try:
+    with _agreed_plans() as ran:
         r, n = comm.rank, comm.world_size
         count = (2 << 20) // 4
         x = pages.array(count, np.float32, kinds[r])
@@ -557,8 +558,6 @@ def _reduce_by_pages(comm, kinds: list[str]) -> tuple[list[str], bool]:  # type:
                 expected = n * (np.arange(count, dtype=np.float32) % 1000) + sum(range(n))
                 exact &= r != root or bool(np.array_equal(got, expected))
         return ran, exact
-    finally:
-        agreement.agreed = own  # type: ignore[method-assign]  # the pool's processes live on
 
 
 @permitted
