@@ -13,11 +13,11 @@ first peer's into its output), a 256 KiB part (64 Ki elements) at a time, combin
 at once, while the part is still in its cache, and writes the finished part into every peer's output
 (no sync between: chunk ``r`` of a peer's buffer is read and then written by rank ``r`` alone).
 **reduce_scatter**: the reads and combinations alone; **reduce**: the finished parts written into
-the root's output alone (``auto`` takes it only at 2 ranks on huge pages, 1-8 MiB: :func:`_reduce_skips`).
-Each chunk is combined once, by its owner, so every rank gets the same bits; the rings copy each
-byte into a slot and out again, and combine from memory. ``shmcoll bench -c allreduce -a all``,
-in place, when cma still wrote whole chunks (stop 27; per-part writes since, see
-:func:`allreduce`): 2 ranks 256 KiB 14 against 31 us for the best ring, 1 MiB 64 against 118,
+the root's output alone (``auto`` takes it only at 2 ranks on huge pages, 1-8 MiB:
+:func:`_reduce_skips`). Each chunk is combined once, by its owner, so every rank gets the same
+bits; the rings copy each byte into a slot and out again, and combine from memory. ``shmcoll
+bench -c allreduce -a all``, in place, when cma still wrote whole chunks (stop 27; per-part
+writes since, see :func:`allreduce`): 2 ranks 256 KiB 14 against 31 us for the best ring, 1 MiB 64 against 118,
 4 MiB 355 against 511, 16 MiB 1390 against 2121; 4 ranks 1 MiB 202 against 295, 16 MiB 3894
 against 5140.
 **broadcast**: the root writes the first ``1/n`` of its buffer into every peer while each peer

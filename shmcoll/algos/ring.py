@@ -219,8 +219,8 @@ def _chain_outnumbered(query: Query, size: int) -> bool:
     - 3 ranks, 9 launches, 90 points: geometric mean 1.28, the chain slower at 82 and more than
       1.1x slower at 69;
     - 4 ranks, 10 launches, 120 points: geometric mean 1.17, slower at 79 (more than 1.1x at 68),
-      faster than 0.9x at 18, mostly in the two launches that ran in a slow spell (the rings' hand-offs
-      5x slower);
+      under 0.9x at 18, mostly in the two launches that ran in a slow spell (the rings' hand-offs
+      3-5x slower), where the two tie (0.93-1.04 per launch);
     - 8 ranks, 5 launches, 48 points: geometric mean 0.88, the chain faster at 39: so from three
       ranks a core the model decides, as it does from 16 MiB (4 ranks: 0.98-1.17 at 8-16 MiB,
       1.01-1.23 at 32-64 MiB)."""
