@@ -747,6 +747,17 @@ def _reduce_skips(query: Query, size: int) -> bool:
     return not (query.world_size == 2 and size < _REDUCE_HUGE_UNTIL and _on_huge_pages(query, size))
 
 
+def _reduce_timed(query: Query, size: int) -> bool:
+    """Where ``auto`` times cma against its own pick at every call (``comm/timed.py``): every
+    reduce it leaves to the rings from ``comm.timed.TIMED_FROM`` on. Which is faster turns with
+    the cores' spells more than with the size or the ranks (2-core Zen 4 VM, stop 50: calls of
+    ``auto``'s pick and of cma taking turns in one launch, ``benchmarks/RESULTS.md``): cma's time
+    over the other's 1.28-1.47 at 2 ranks and 512 KiB-8 MiB, 1.28-2.20 at 3 ranks and 1.32-1.83
+    at 8 ranks in quiet launches, and in slow ones 0.61-0.66 at 3 ranks, 0.46-0.73 at 4 (every
+    launch of that run), 0.41 at 8."""
+    return True
+
+
 @register(
     "reduce",
     "cma",
@@ -755,6 +766,7 @@ def _reduce_skips(query: Query, size: int) -> bool:
     peers=PEERS_CMA,
     auto_skip=_reduce_skips,
     auto_huge=_on_huge_pages,
+    auto_timed=_reduce_timed,
 )
 def reduce(ctx: Context) -> None:
     """allreduce's plan with the finished parts written into the root's output alone: rank ``r``

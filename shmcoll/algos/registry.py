@@ -57,7 +57,10 @@ class Algorithm:
     the call knows alike); a tune table's measurements still decide. Where
     ``auto_huge(query, size)`` holds (``Query.huge_pages``: every rank's buffers are on huge
     pages, as the ranks agreed), the automatic choice takes it before a tune table's
-    measurements, which were taken on buffers whose pages nobody knew. (There is no rule on in
+    measurements, which were taken on buffers whose pages nobody knew. Where
+    ``auto_timed(query, size)`` holds and the automatic choice took another algorithm, the ranks
+    choose between the two at every call by what the calls of each took (``comm/timed.py``; only
+    cma's plans, whose syncs wait for every rank, may be the other). (There is no rule on in
     place: it is per rank, and every rank of a call must choose alike.) ``peers`` says how its
     plans reach regions on other ranks (``ir.PEERS_*``: none, the registered allocation of
     ``zerocopy``, cross-memory attach for ``cma``); the engine reads it from each program's header.
@@ -75,6 +78,7 @@ class Algorithm:
     auto_prefer: Callable[[Query, int], bool] | None = None
     auto_huge: Callable[[Query, int], bool] | None = None
     peers: int = ir.PEERS_NONE
+    auto_timed: Callable[[Query, int], bool] | None = None
 
     def for_auto(self, query: Query, size: int) -> bool:
         """Whether the automatic choice weighs this algorithm for ``query`` (``size`` bytes)."""
@@ -115,6 +119,7 @@ def register(
     auto_skip: Callable[[Query, int], bool] | None = None,
     auto_prefer: Callable[[Query, int], bool] | None = None,
     auto_huge: Callable[[Query, int], bool] | None = None,
+    auto_timed: Callable[[Query, int], bool] | None = None,
     peers: int = ir.PEERS_NONE,
 ) -> Callable[[Builder], Builder]:
     """Register ``build`` as algorithm ``name`` of ``collective``.
@@ -143,6 +148,7 @@ def register(
             auto_prefer,
             auto_huge,
             peers,
+            auto_timed,
         )
         return build
 

@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from shmcoll import collectives
+from shmcoll import collectives, config
 from shmcoll.algos import cma as cma_plans
 from shmcoll.algos import registry
 from shmcoll.algos.registry import ALGORITHM_NAMES, Query
-from shmcoll.algos.select import choose
-from shmcoll.comm import arrays, groups
+from shmcoll.algos.select import call_size, choose
+from shmcoll.comm import arrays, groups, timed
 from shmcoll.engine import cpu as engine
 from shmcoll.plan import ir
 from shmcoll.plan.passes import plan_call
@@ -58,7 +58,9 @@ class Call:
     call shape every rank runs instead when all of them are on huge pages (the ranks agree on it
     before each call: :mod:`shmcoll.comm.pages`), ``reached`` which of this rank's buffers the
     peers reach in that plan (input, output), and ``seen`` what this rank's buffers were at its
-    last call.
+    last call. It is also set where the ranks choose by what their calls took instead of by
+    their pages (cma as ``huge``, agreed the same way), and then ``timed`` holds this rank's
+    timings of both plans and its vote (:class:`shmcoll.comm.timed.Timed`).
 
     ``engine_dtype`` is what the engine moves and reduces (bool as uint8, float16 and bfloat16 as
     float32 when it reduces, else as uint16); ``widened`` marks a float16 or bfloat16 reduction,
@@ -95,6 +97,7 @@ class Call:
         "reached",
         "seen",
         "agreed",
+        "timed",
     )
 
     def __init__(
@@ -144,6 +147,9 @@ class Call:
         self.reached = (True, True)  # which of this rank's buffers the huge plan's peers reach (in, out)
         self.seen: Any = None
         self.agreed: bool | None = None  # what the ranks agreed at the last call (logged when it changes)
+        # Where the ranks choose between this plan and ``huge`` by what their calls took instead
+        # (comm.timed): this rank's timings and vote.
+        self.timed: Any = None
 
 
 Bound = tuple
@@ -276,7 +282,39 @@ def prepare(
                 call.reached = cma_plans.reached(kind, rt.rank == root, count, rt.world_size)
                 return call
         alg = pick(query, algorithm)
+        if algorithm == "auto" and alg.name != "cma" and not record.varying and not widened:
+            timed_alg = _timed_alternative(query, rt.world_size)
+            if timed_alg is not None:
+                call = build(alg)
+                call.huge = build(timed_alg)
+                leader = root if record.rooted else 0
+                call.timed = timed.Timed(leader, rt.rank)
+                rt._log.info(
+                    "%s: timed choice between it and %s, by what rank %d's calls take (comm.timed)",
+                    call.label,
+                    timed_alg.name,
+                    leader,
+                )
+                return call
     return build(alg)
+
+
+def _timed_alternative(query: Query, world_size: int) -> registry.Algorithm | None:
+    """cma, where ``auto`` times it against its own pick at every call of this shape
+    (``Algorithm.auto_timed``, :mod:`shmcoll.comm.timed`); None elsewhere. Not with
+    ``SHMCOLL_ALGO`` set (the user's choice is fixed), nor where cma cannot serve the call."""
+    if world_size < 2 or not query.cma or config.get().algo:
+        return None
+    try:
+        alg = registry.get(query.collective, "cma")
+    except ValueError:  # (no cma plan for this collective)
+        return None
+    size = call_size(query)
+    if alg.auto_timed is None or size < timed.TIMED_FROM or not alg.auto_timed(query, size):
+        return None
+    # In place is per rank, and every rank must decide alike (as select._candidates).
+    flipped = dataclasses.replace(query, inplace=not query.inplace)
+    return alg if alg.supports(query) is None and alg.supports(flipped) is None else None
 
 
 def _build(

@@ -1,5 +1,8 @@
 """Page-aware choice: whether a call runs the plan for buffers on huge pages, agreed by the ranks.
 
+(The same agreement serves the timed choice, :mod:`shmcoll.comm.timed`, where a rank's vote is
+what its timings say instead of what its pages are.)
+
 Cross-memory attach (``cma``) copies about twice as fast from a peer's huge pages as from its
 4 KiB pages, and beats the rings by up to 2x from 2 MiB there while it loses to them on 4 KiB
 pages (``shm/pages.py``; ``algos/cma.py``: ``huge_from``). Which pages a numpy buffer has is up to
@@ -99,22 +102,43 @@ def agreed(rt: Any, b: Bound, limit: float) -> Bound:
     if words is None:
         words = rt._pages_words = _words(rt)
     k = rt._pages_calls = rt._pages_calls + 1
-    if local_huge(b):
+    call = b[0]
+    timed = call.timed
+    if timed is None:
+        vote = local_huge(b)
+    elif timed.leader:
+        vote = timed.vote(time.perf_counter_ns())
+    else:  # (as the leader's last word says: comm.timed)
+        vote = rt._arena.rank_field(timed.leader_rank, layout.R_PAGES) & 1 == 1
+    if vote:
         every = _every_peer_huge(rt, b, words[1], k, limit)
     else:
         engine.publish_word(rt._ctrl, words[0][0], 2 * k, words[0][1])
         every = False
-    call = b[0]
+    if timed is not None:
+        timed.ran(every)
     if every is not call.agreed:
         call.agreed = every
         chosen = call.huge if every else call
+        said = "every rank's buffers are on huge pages" if timed is None else "every rank voted for cma"
         rt._log.info(
-            "%s: pages: %severy rank's buffers are on huge pages: algorithm %s",
+            "%s: %s: %s%s: algorithm %s%s",
             call.label,
+            "pages" if timed is None else "timed",
             "" if every else "not ",
+            said,
             chosen.label.rpartition("algorithm=")[2].rstrip(")"),
+            _estimates(timed),
         )
     return (call.huge, *b[1:]) if every else b
+
+
+def _estimates(timed: Any) -> str:
+    """The leader's estimates of a timed call shape's two plans, for the log."""
+    if timed is None or not timed.leader:
+        return ""
+    own, alt = (e / 1e3 for e in timed.estimate_ns)
+    return f" (call {timed.calls}; estimates {own:.1f} us for its own plan, {alt:.1f} for cma)"
 
 
 def lean(rt: Any, b: Bound, enter: Any, record: np.ndarray) -> Any:

@@ -422,7 +422,7 @@ class Runtime:
         if self._broken is not None:
             self._check_usable()
         limit = self._timeout if timeout is None else config.timeout_s(timeout)
-        if b[0].huge is not None:  # auto's choice hinges on the ranks' pages: they agree first
+        if b[0].huge is not None:  # auto's choice hinges on the ranks' pages or timings: they agree first
             b = pages.agreed(self, b, limit)
         call, inp, res, result, out, _, _ = b
         if inp is None:

@@ -1,0 +1,164 @@
+"""Timed choice: a call shape whose ranks choose between two plans at every call by what the
+calls of each took, agreed as the pages are.
+
+On a machine whose cores hand each other data at a speed that changes from launch to launch (a
+VM's virtual cores: ``benchmarks/RESULTS.md``, stops 48-50), the rings and the kernel's copies
+(``cma``) trade places. On the 2-core Zen 4 VM, reduce of 1 MiB at 4 ranks, calls of ``ring``
+and ``cma`` taking turns in one launch: 180-230 us against 300-360 in quiet launches, 560-1160
+against 340-460 in slow ones, and whichever was faster won 92-100% of the pairs of its launch. A
+choice made once per call shape, or once per launch by the race of ``shm/cma.py`` (whose
+two-thread race does not see what four ranks on two cores see), is wrong in one kind of launch
+or the other. So where ``auto``'s pick is not ``cma`` and cma's registration says a call of the
+shape may be timed (``Algorithm.auto_timed``), the call shape carries both plans (``Call.huge``:
+the plan every rank runs where every rank votes for it) and a :class:`Timed` per rank.
+
+One rank times the calls and decides, the *leader* (the root of a rooted collective, else rank
+0): the root of a reduce is the rank that waits for the whole call. What it times is a call's
+*cycle*, from its start to the start of the shape's next call: what a call costs the program (a
+rank that leaves a call early but waits at the next one's start gains nothing).
+
+- The first calls of the shape run ``auto``'s plan, then cma (:data:`WARM_CALLS` each; the first
+  call of each plan is not counted, and the fastest of the next ones is the plan's first
+  estimate).
+- From then on the leader votes for cma while cma's estimate is under :data:`SWITCH` times the
+  other's, and back once the other's is no more than cma's (a band, so that noise does not flip
+  it); the estimates follow each call (:data:`WEIGHT`), a cycle counting as twice the estimate at
+  most (one that lost its core for a time slice says nothing about the plan).
+- The plan not being run is timed again now and then, for :data:`PROBE_LEN` calls in a row, the
+  fastest of them replacing its estimate, which is a spell's old (:data:`PROBE_CALLS`): every 16
+  calls while cma runs, half as often each time a probe finds cma still faster, down to every
+  256; every 512 while the other runs.
+
+The other ranks vote as the leader last did: its vote is the parity of its word in the arena,
+which they read without waiting. The ranks then agree before each call as for the pages
+(:func:`shmcoll.comm.pages.agreed`): cma runs only where every rank voted for it, a rank that
+votes against runs the other plan at once, without waiting, and cma's syncs wait for every rank,
+as the agreement requires. So every rank runs the same plan at every call; where a rank read the
+leader's vote of an earlier call (the leader was behind, or changed its mind), the call runs
+``auto``'s plan, which is why a probe lasts several calls. (An earlier version let every rank
+vote by its own times: their cycles differ call by call, the votes disagreed at 4 ranks on up
+to 90% of the calls, and the rings then ran with the ranks waiting for each other's votes.)
+
+What it costs: a clock read and the vote (about 1-2 us in Python, off the lean path), which is
+why only calls from :data:`TIMED_FROM` bytes are timed; the warm calls of cma; and in a quiet
+launch 3 calls of cma of every 512. Asking for an algorithm by name, or setting
+``SHMCOLL_ALGO``, turns it off; ``SHMCOLL_DEBUG=INFO`` logs each change of plan. The leader's word
+is the one every page-aware or timed call publishes, so where two such call shapes take turns,
+the other ranks may read the leader's vote on the other shape: the calls then run ``auto``'s plan
+more often than the leader asks, never different plans.
+"""
+
+from __future__ import annotations
+
+TIMED_FROM = 1 << 20
+"""Bytes from which a call shape may be timed. At 256 KiB (calls of 30-45 us at 3-4 ranks in
+quiet launches on the VM) the vote and the run loop cost 8-35% (stop 50)."""
+
+SWITCH = 0.8
+"""cma is voted for once its estimate is under this share of the other plan's; the other is voted
+for again once its estimate is no more than cma's."""
+
+WEIGHT = 0.25
+"""How much a cycle moves its plan's estimate (an exponential average)."""
+
+WARM_CALLS = 3
+"""Calls of each plan the leader asks for before it votes by the estimates. The first of each
+is not counted (it touches scratch and output pages for the first time), and the fastest of the
+others is the plan's first estimate: on the VM the first calls of a launch took 25-30 ms at 3
+ranks, waiting for ranks still starting, where later calls of 256 KiB took 0.1. The leader asks
+for cma until it has run that often, for at most :data:`EXPLORE_CALLS` calls."""
+
+EXPLORE_CALLS = 4 * WARM_CALLS
+
+PROBE_LEN = 3
+"""Calls in a row for which the plan not being run is asked for when it is timed again."""
+
+PROBE_CALLS = (16, 256, 512)
+"""Every how many calls the plan not being run is timed again: while cma runs, first (doubling
+up to the second as long as a probe finds cma still faster); while the other runs, the third."""
+
+
+class Timed:
+    """One rank's part in the timed choice of a call shape (see the module doc): on the leader
+    (``leader``), its timings of the shape's two plans (``estimate_ns``: the shape's own plan
+    first, 0 before it is timed) and its vote; elsewhere, which rank leads."""
+
+    __slots__ = (
+        "leader",
+        "leader_rank",
+        "calls",
+        "estimate_ns",
+        "counted",
+        "on_alt",
+        "probe_every",
+        "probing",
+        "probe_fresh",
+        "last_ns",
+        "last_alt",
+        "since",
+    )
+
+    def __init__(self, leader_rank: int, rank: int) -> None:
+        self.leader = leader_rank == rank
+        self.leader_rank = leader_rank
+        self.calls = 0
+        self.estimate_ns = [0.0, 0.0]
+        self.counted = [0, 0]  # cycles of each plan timed (the first of each is not counted)
+        self.on_alt = False
+        self.probe_every = PROBE_CALLS[0]
+        self.probing = False  # the call runs the plan not being run, to time it again
+        self.probe_fresh = False  # no cycle of this probe counted yet
+        self.last_ns = 0  # when the last call started (0: none yet)
+        self.last_alt = False  # whether it ran the other plan
+        self.since = 0  # the call after which the leader last changed its mind (probes count from it)
+
+    def vote(self, now_ns: int) -> bool:
+        """The leader's vote for the other plan at a call of the shape starting at ``now_ns``;
+        the last call's cycle ends here and is counted first."""
+        if self.last_ns:
+            self._count(self.last_alt, now_ns - self.last_ns)
+        self.last_ns = now_ns
+        self.calls = c = self.calls + 1
+        if c <= WARM_CALLS:
+            return False
+        if self.counted[1] < WARM_CALLS:  # cma not yet timed: ask for it, for a while
+            return c <= EXPLORE_CALLS
+        if not self.estimate_ns[0]:
+            return False
+        every = self.probe_every if self.on_alt else PROBE_CALLS[2]
+        after = c - self.since
+        phase = after % every if after >= every else every
+        if phase == 0:
+            self.probe_fresh = True
+        elif phase == PROBE_LEN and self.on_alt and not self.probe_fresh:
+            # (a probe of the rings has just found them still slower: probe half as often)
+            self.probe_every = min(2 * every, PROBE_CALLS[1])
+        self.probing = phase < PROBE_LEN
+        return self.on_alt != self.probing
+
+    def ran(self, alt: bool) -> None:
+        """Which plan the ranks agreed on for the call just voted on."""
+        self.last_alt = alt
+
+    def _count(self, alt: bool, cycle_ns: int) -> None:
+        which = int(alt)
+        counted = self.counted[which] = self.counted[which] + 1
+        if counted == 1:
+            return  # (first touches)
+        est = self.estimate_ns
+        if counted <= WARM_CALLS:
+            # The fastest warm cycle: the first calls of a launch also wait for ranks still starting.
+            est[which] = float(cycle_ns) if not est[which] else min(est[which], cycle_ns)
+        elif self.probing and which != self.on_alt:
+            est[which] = float(cycle_ns) if self.probe_fresh else min(est[which], cycle_ns)
+            self.probe_fresh = False
+        else:  # (a cycle preempted for a time slice counts as twice the estimate at most)
+            est[which] += WEIGHT * (min(cycle_ns, 2 * est[which]) - est[which])
+        if not (est[0] and est[1]):
+            return
+        if self.on_alt:
+            if est[0] <= est[1]:
+                self.on_alt, self.since, self.probing = False, self.calls, False
+        elif est[1] < SWITCH * est[0]:
+            self.on_alt, self.since, self.probing = True, self.calls, False
+            self.probe_every = PROBE_CALLS[0]

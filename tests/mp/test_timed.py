@@ -1,0 +1,170 @@
+"""The timed choice (``comm/timed.py``): ranks that choose between ``auto``'s plan and cma at every
+call by what the leader's calls took run the same plan at every call, get exact results, and
+follow the leader's times: cma while the rings' calls are slow, the rings again once they are
+not. The times are made up where a test needs a plan to be slower than the other (each rank
+scales what its calls took), so that the test does not hang on the machine's spells."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from harness import run_ranks
+
+from shmcoll.comm.timed import PROBE_CALLS, PROBE_LEN, WARM_CALLS
+from shmcoll.shm import cma
+
+permitted = pytest.mark.skipif(not cma.probe()[0], reason=f"cross-memory attach {cma.probe()[1]}")
+
+COUNT = (1 << 20) // 4  # float32: the smallest timed call (timed.TIMED_FROM)
+
+
+@contextlib.contextmanager
+def _scaled(scale: dict[str, float]) -> Iterator[list[str]]:
+    """While the block runs, this rank's calls of the rings' plan (``"own"``) and of cma
+    (``"cma"``) count as ``scale`` times what their cycles took (changed in place to change it midway);
+    yields the labels of the plans run, in order."""
+    from shmcoll.comm import pages as agreement
+    from shmcoll.comm import timed
+
+    ran: list[str] = []
+    own_count, own_agreed = timed.Timed._count, agreement.agreed
+
+    def count(self, alt, cycle_ns):  # type: ignore[no-untyped-def]
+        own_count(self, alt, int(cycle_ns * scale["cma" if alt else "own"]))
+
+    def agreed(rt, b, limit):  # type: ignore[no-untyped-def]
+        chosen = own_agreed(rt, b, limit)
+        ran.append("cma" if "algorithm=cma" in chosen[0].label else "own")
+        return chosen
+
+    timed.Timed._count, agreement.agreed = count, agreed  # type: ignore[method-assign,assignment]
+    try:
+        yield ran
+    finally:
+        timed.Timed._count, agreement.agreed = own_count, own_agreed  # type: ignore[method-assign]
+
+
+def _expected(n: int) -> np.ndarray:
+    return n * (np.arange(COUNT, dtype=np.float32) % 1000) + sum(range(n))
+
+
+def _follows(comm, slow_first: list[str], calls: tuple[int, int]) -> tuple[list[str], bool, str]:  # type: ignore[no-untyped-def]
+    """``calls[0]`` reduces in which this rank's calls of ``slow_first[rank]`` ("own", "cma" or
+    "") count 20 times what they took, then ``calls[1]`` in which the other plan's do: the plans
+    run, whether every result was exact, and the algorithm auto picked."""
+    r, n = comm.rank, comm.world_size
+    x = (np.arange(COUNT, dtype=np.float32) % 1000) + r
+    out = np.empty(COUNT, np.float32)
+    expected = _expected(n)
+    scale = {"own": 1.0, "cma": 1.0}
+    slow = slow_first[r]
+    exact = True
+    with _scaled(scale) as ran:
+        for phase, count in enumerate(calls):
+            if slow:
+                other = "cma" if slow == "own" else "own"
+                scale[slow], scale[other] = (20.0, 1.0) if phase == 0 else (1.0, 20.0)
+            for _ in range(count):
+                out[...] = -1
+                got = comm.reduce(x, 0, out=out if r == 0 else None)
+                exact &= r != 0 or bool(np.array_equal(got, expected))
+    shape = next(c for c in comm._calls.values() if getattr(c, "timed", None) is not None)
+    return ran, exact, shape.label
+
+
+@permitted
+def test_every_rank_runs_cma_while_the_rings_are_slower_and_the_rings_again_after() -> None:
+    calls = (96, PROBE_CALLS[1] + 64)
+    results = run_ranks(_follows, 3, ["own"] * 3, calls, timeout=120)
+    ran = results[0][0]
+    assert all(r[0] == ran for r in results), "the ranks ran different plans"
+    assert all(r[1] for r in results)
+    assert "algorithm=cma" not in results[0][2]  # (auto's own pick is the rings')
+    assert len(ran) == sum(calls)
+    assert ran[:WARM_CALLS] == ["own"] * WARM_CALLS
+    assert "cma" in ran[WARM_CALLS : 2 * WARM_CALLS + 2]  # (the others follow a call late at most)
+    # The rings' calls look 20x slower: cma soon after the warm calls, the rings probed now and
+    # then, a few calls in a row.
+    slow_phase = ran[2 * WARM_CALLS + 8 : calls[0]]
+    assert slow_phase.count("own") <= 4 * PROBE_LEN, slow_phase
+    # Now cma's look 20x slower: the next probe of the rings finds them faster, and they stay
+    # (but for cma's probe, every PROBE_CALLS[2] calls).
+    tail = ran[calls[0] + PROBE_CALLS[1] :]
+    assert tail.count("own") >= len(tail) - PROBE_LEN, tail
+
+
+@permitted
+@pytest.mark.parametrize("slow_first", [["own", "cma", "cma"], ["cma", "own", "own"]])
+def test_the_leader_decides(slow_first: list[str]) -> None:
+    """The root times the calls: where it finds the rings slower, cma runs, whatever the others'
+    times say, and where it finds cma slower, the rings run."""
+    calls = (120, 0)
+    results = run_ranks(_follows, 3, slow_first, calls, timeout=120)
+    ran = results[0][0]
+    assert all(r[0] == ran for r in results), "the ranks ran different plans"
+    assert all(r[1] for r in results)
+    late = ran[4 * WARM_CALLS :]
+    wanted = "cma" if slow_first[0] == "own" else "own"
+    assert late.count(wanted) >= 0.8 * len(late), late  # (probes, and a follower a call late after each)
+
+
+def _mixed(comm) -> tuple[list[str], list[str]]:  # type: ignore[no-untyped-def]
+    """Timed reduces in every form, the root in place and out of place in turn, a non-root's
+    buffers new at some calls, with a small allreduce between them: the plans run and what was
+    wrong."""
+    r, n = comm.rank, comm.world_size
+    bad = []
+    expected = _expected(n)
+    tiny = np.ones(2, np.float32)
+    with _scaled({"own": 1.0, "cma": 1.0}) as ran:
+        x = (np.arange(COUNT, dtype=np.float32) % 1000) + r
+        out = np.empty(COUNT, np.float32)
+        req = comm.reduce_init(x, 0, out=out if r == 0 else None)
+        for i in range(48):
+            form = i % 4
+            if form == 0:
+                got = comm.reduce(x, 0, out=out if r == 0 else None)
+            elif form == 1:
+                y = x.copy()  # in place on the root; a new input elsewhere
+                got = comm.reduce(y, 0, out=y if r == 0 else None)
+            elif form == 2:
+                got = comm.ireduce(x, 0, out=out if r == 0 else None).wait()
+            else:
+                req.start()
+                got = req.wait()
+            if r == 0 and not np.array_equal(got, expected):
+                bad.append(f"call {i} (form {form})")
+            comm.allreduce(tiny)
+    return ran, bad
+
+
+@permitted
+def test_timed_calls_in_every_form_agree_and_are_exact() -> None:
+    results = run_ranks(_mixed, 3, timeout=120)
+    assert all(r[1] == [] for r in results), [r[1] for r in results]
+    assert all(r[0] == results[0][0] for r in results), "the ranks ran different plans"
+    assert len(results[0][0]) == 48
+
+
+def _timed_shapes(comm) -> list[tuple[str, bool]]:  # type: ignore[no-untyped-def]
+    """Which reduces get a timed call shape: auto's from a quarter mebibyte, auto's below it, and
+    one that names its algorithm (each call shape's label, and whether it is timed)."""
+    x = np.ones(COUNT, np.float32)
+    small = np.ones(COUNT // 2 - 1, np.float32)
+    comm.reduce(x, 0)
+    comm.reduce(small, 0)
+    comm.reduce(x, 0, algorithm="dbtree")
+    return [(c.label, c.timed is not None) for c in comm._calls.values()]
+
+
+@permitted
+def test_only_auto_calls_from_a_quarter_mebibyte_are_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    for found in run_ranks(_timed_shapes, 3, timeout=120):
+        assert [on for _, on in found] == [True, False, False], found
+        assert f"count={COUNT}," in found[0][0] and "algorithm=cma" not in found[0][0], found
+    monkeypatch.setenv("SHMCOLL_ALGO", "reduce:dbtree")  # (read by the new ranks)
+    for found in run_ranks(_timed_shapes, 3, timeout=120):
+        assert not any(on for _, on in found), found

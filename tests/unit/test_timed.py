@@ -1,0 +1,107 @@
+"""The timed choice's leader (``comm/timed.py``), fed made-up cycles: which plan it votes for at
+each call as the two plans' times change, the other ranks following its every vote."""
+
+from __future__ import annotations
+
+from shmcoll.comm.timed import EXPLORE_CALLS, PROBE_CALLS, PROBE_LEN, WARM_CALLS, Timed
+
+
+class Leader:
+    """A leader and its clock: each call's cycle is the time of the plan it voted for."""
+
+    def __init__(self) -> None:
+        self.t = Timed(0, 0)
+        self.now_ns = 1
+
+    def run(self, calls: int, own_us: float, alt_us: float) -> list[bool]:
+        votes = []
+        for _ in range(calls):
+            vote = self.t.vote(self.now_ns)
+            self.t.ran(vote)
+            votes.append(vote)
+            self.now_ns += int(1000 * (alt_us if vote else own_us))
+        return votes
+
+
+def _numbers(first: int, votes: list[bool], which: bool) -> list[int]:
+    """The call numbers (from ``first``) at which the vote was ``which``."""
+    return [first + i for i, v in enumerate(votes) if v is which]
+
+
+def test_warm_calls_run_each_plan_then_the_faster_is_kept() -> None:
+    lead = Leader()
+    assert lead.run(2 * WARM_CALLS, 200, 300) == [False] * WARM_CALLS + [True] * WARM_CALLS
+    votes = lead.run(PROBE_CALLS[2] - 2 * WARM_CALLS - 1, 200, 300)
+    assert not any(votes)  # cma slower: not asked for again until its probe
+    votes = lead.run(PROBE_LEN + 1, 200, 300)
+    assert votes == [True] * PROBE_LEN + [False]  # (the probe: calls 512-514)
+
+
+def test_cma_is_taken_when_the_rings_slow_down_and_left_when_they_recover() -> None:
+    lead = Leader()
+    lead.run(2 * WARM_CALLS, 200, 300)
+    # The rings slow to 700 us: the estimate follows within a few calls, then cma is voted for.
+    votes = lead.run(8, 700, 300)
+    assert votes[0] is False and votes[-1] is True
+    first = votes.index(True)
+    assert 1 <= first <= 6 and all(votes[first:])
+    # Still slow: the rings are probed for PROBE_LEN calls in a row, 16 calls after the switch,
+    # then half as often each time.
+    start = lead.t.calls + 1
+    votes = lead.run(300, 700, 300)
+    probes = _numbers(start, votes, False)
+    runs = [c for c in probes if c - 1 not in probes]
+    assert all(c + k in probes for c in runs for k in range(PROBE_LEN)) and len(probes) == PROBE_LEN * len(runs)
+    gaps = [b - a for a, b in zip(runs, runs[1:], strict=False)]
+    assert gaps == sorted(gaps) and gaps[0] >= PROBE_CALLS[0] and gaps[-1] > gaps[0], runs
+    # Quiet again: the next probe of the rings finds them faster, and they are kept.
+    votes = lead.run(PROBE_CALLS[1] + PROBE_LEN, 200, 300)
+    back = votes.index(False)
+    assert not any(votes[back:])
+
+
+def test_a_noisy_cycle_does_not_flip_the_vote() -> None:
+    lead = Leader()
+    lead.run(2 * WARM_CALLS + 1, 200, 300)
+    assert lead.run(1, 2000, 300) == [False]  # one call 10x slower (a preemption)
+    assert not any(lead.run(20, 200, 300))
+
+
+def test_a_band_between_the_two_thresholds_keeps_the_current_plan() -> None:
+    lead = Leader()
+    lead.run(2 * WARM_CALLS, 200, 180)  # cma 0.9 of the rings: not enough to switch
+    assert not any(lead.run(30, 200, 180))
+    lead = Leader()
+    lead.run(2 * WARM_CALLS, 400, 180)
+    votes = lead.run(10, 400, 180)
+    assert votes.count(False) <= PROBE_LEN
+    # The rings recover to 1.1x cma's: inside the band, cma stays but for the probes.
+    votes = lead.run(64, 200, 180)
+    assert sum(votes) >= 64 - 4 * PROBE_LEN
+
+
+def test_the_first_cycle_of_each_plan_is_not_counted_and_warm_cycles_count_their_fastest() -> None:
+    lead = Leader()
+    lead.run(1, 50_000, 0)  # first touches: 50 ms
+    lead.run(1, 30_000, 0)  # a rank still starting
+    assert lead.t.estimate_ns[0] == 0.0
+    lead.run(1, 200, 0)
+    assert lead.t.estimate_ns[0] == 30_000_000
+    lead.run(1, 0, 0)
+    assert lead.t.estimate_ns[0] == 200_000
+
+
+def test_cma_is_asked_for_a_while_when_the_calls_do_not_run_it() -> None:
+    """(The other ranks may read an earlier vote of the leader's: the call then runs the rings.)"""
+    t = Timed(0, 0)
+    now = 1
+    votes = []
+    for _ in range(EXPLORE_CALLS + 20):
+        votes.append(t.vote(now))
+        t.ran(False)  # a peer voted against every time
+        now += 200_000
+    assert votes == [False] * WARM_CALLS + [True] * (EXPLORE_CALLS - WARM_CALLS) + [False] * 20
+
+
+def test_only_the_leader_times() -> None:
+    assert Timed(2, 2).leader and not Timed(2, 0).leader
