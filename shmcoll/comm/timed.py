@@ -17,9 +17,9 @@ One rank times the calls and decides, the *leader* (the root of a rooted collect
 *cycle*, from its start to the start of the shape's next call: what a call costs the program (a
 rank that leaves a call early but waits at the next one's start gains nothing).
 
-- The first calls of the shape run ``auto``'s plan, then cma (:data:`WARM_CALLS` each; the first
-  call of each plan is not counted, and the fastest of the next ones is the plan's first
-  estimate).
+- The first calls of the shape run ``auto``'s plan (:data:`FIRST_CALLS`), then a few run cma
+  (:data:`WARM_CALLS`; the first call of each plan is not counted, and the fastest of the next
+  ones is the plan's first estimate).
 - From then on the leader votes for cma while cma's estimate is under :data:`SWITCH` times the
   other's, and back once the other's is no more than cma's (a band, so that noise does not flip
   it); the estimates follow each call (:data:`WEIGHT`), a cycle counting as twice the estimate at
@@ -40,8 +40,8 @@ vote by its own times: their cycles differ call by call, the votes disagreed at 
 to 90% of the calls, and the rings then ran with the ranks waiting for each other's votes.)
 
 What it costs: a clock read and the vote (about 1-2 us in Python, off the lean path), which is
-why only calls from :data:`TIMED_FROM` bytes are timed; the warm calls of cma; and in a quiet
-launch 3 calls of cma of every 512. Asking for an algorithm by name, or setting
+why only calls from :data:`TIMED_FROM` bytes are timed; the first calls of cma, where it is the
+slower; and in a quiet launch 3 calls of cma of every 512. Asking for an algorithm by name, or setting
 ``SHMCOLL_ALGO``, turns it off; ``SHMCOLL_DEBUG=INFO`` logs each change of plan. The leader's word
 is the one every page-aware or timed call publishes, so where two such call shapes take turns,
 the other ranks may read the leader's vote on the other shape: the calls then run ``auto``'s plan
@@ -61,14 +61,19 @@ for again once its estimate is no more than cma's."""
 WEIGHT = 0.25
 """How much a cycle moves its plan's estimate (an exponential average)."""
 
-WARM_CALLS = 3
-"""Calls of each plan the leader asks for before it votes by the estimates. The first of each
-is not counted (it touches scratch and output pages for the first time), and the fastest of the
-others is the plan's first estimate: on the VM the first calls of a launch took 25-30 ms at 3
-ranks, waiting for ranks still starting, where later calls of 256 KiB took 0.1. The leader asks
-for cma until it has run that often, for at most :data:`EXPLORE_CALLS` calls."""
+FIRST_CALLS = 8
+"""Calls of the shape's own plan before cma is first tried: a shape called only a few times (a
+benchmark's large sizes, a program's setup) never pays for trying it."""
 
-EXPLORE_CALLS = 4 * WARM_CALLS
+WARM_CALLS = 3
+"""Cycles of each plan that count the fastest, not the average. The first of each is not
+counted (it touches scratch and output pages for the first time), and the fastest of the next
+ones is the plan's first estimate: on the VM the first calls of a launch took 25-30 ms at 3
+ranks, waiting for ranks still starting, where later calls of 256 KiB took 0.1. After
+:data:`FIRST_CALLS`, the leader asks for cma until it has run this often, for at most
+:data:`EXPLORE_CALLS` calls."""
+
+EXPLORE_CALLS = 3 * WARM_CALLS
 
 PROBE_LEN = 3
 """Calls in a row for which the plan not being run is asked for when it is timed again."""
@@ -119,10 +124,10 @@ class Timed:
             self._count(self.last_alt, now_ns - self.last_ns)
         self.last_ns = now_ns
         self.calls = c = self.calls + 1
-        if c <= WARM_CALLS:
+        if c <= FIRST_CALLS:
             return False
         if self.counted[1] < WARM_CALLS:  # cma not yet timed: ask for it, for a while
-            return c <= EXPLORE_CALLS
+            return c <= FIRST_CALLS + EXPLORE_CALLS
         if not self.estimate_ns[0]:
             return False
         every = self.probe_every if self.on_alt else PROBE_CALLS[2]

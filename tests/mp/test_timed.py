@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from harness import run_ranks
 
-from shmcoll.comm.timed import PROBE_CALLS, PROBE_LEN, WARM_CALLS
+from shmcoll.comm.timed import FIRST_CALLS, PROBE_CALLS, PROBE_LEN, WARM_CALLS
 from shmcoll.shm import cma
 
 permitted = pytest.mark.skipif(not cma.probe()[0], reason=f"cross-memory attach {cma.probe()[1]}")
@@ -84,11 +84,11 @@ def test_every_rank_runs_cma_while_the_rings_are_slower_and_the_rings_again_afte
     assert all(r[1] for r in results)
     assert "algorithm=cma" not in results[0][2]  # (auto's own pick is the rings')
     assert len(ran) == sum(calls)
-    assert ran[:WARM_CALLS] == ["own"] * WARM_CALLS
-    assert "cma" in ran[WARM_CALLS : 2 * WARM_CALLS + 2]  # (the others follow a call late at most)
+    assert ran[:FIRST_CALLS] == ["own"] * FIRST_CALLS
+    assert "cma" in ran[FIRST_CALLS : FIRST_CALLS + WARM_CALLS + 2]  # (the others follow a call late at most)
     # The rings' calls look 20x slower: cma soon after the warm calls, the rings probed now and
     # then, a few calls in a row.
-    slow_phase = ran[2 * WARM_CALLS + 8 : calls[0]]
+    slow_phase = ran[FIRST_CALLS + WARM_CALLS + 8 : calls[0]]
     assert slow_phase.count("own") <= 4 * PROBE_LEN, slow_phase
     # Now cma's look 20x slower: the next probe of the rings finds them faster, and they stay
     # (but for cma's probe, every PROBE_CALLS[2] calls).
@@ -106,7 +106,7 @@ def test_the_leader_decides(slow_first: list[str]) -> None:
     ran = results[0][0]
     assert all(r[0] == ran for r in results), "the ranks ran different plans"
     assert all(r[1] for r in results)
-    late = ran[4 * WARM_CALLS :]
+    late = ran[FIRST_CALLS + 4 * WARM_CALLS :]
     wanted = "cma" if slow_first[0] == "own" else "own"
     assert late.count(wanted) >= 0.8 * len(late), late  # (probes, and a follower a call late after each)
 

@@ -3,7 +3,9 @@ each call as the two plans' times change, the other ranks following its every vo
 
 from __future__ import annotations
 
-from shmcoll.comm.timed import EXPLORE_CALLS, PROBE_CALLS, PROBE_LEN, WARM_CALLS, Timed
+from shmcoll.comm.timed import EXPLORE_CALLS, FIRST_CALLS, PROBE_CALLS, PROBE_LEN, WARM_CALLS, Timed
+
+START = FIRST_CALLS + WARM_CALLS  # the calls before the leader votes by its estimates
 
 
 class Leader:
@@ -30,8 +32,8 @@ def _numbers(first: int, votes: list[bool], which: bool) -> list[int]:
 
 def test_warm_calls_run_each_plan_then_the_faster_is_kept() -> None:
     lead = Leader()
-    assert lead.run(2 * WARM_CALLS, 200, 300) == [False] * WARM_CALLS + [True] * WARM_CALLS
-    votes = lead.run(PROBE_CALLS[2] - 2 * WARM_CALLS - 1, 200, 300)
+    assert lead.run(START, 200, 300) == [False] * FIRST_CALLS + [True] * WARM_CALLS
+    votes = lead.run(PROBE_CALLS[2] - START - 1, 200, 300)
     assert not any(votes)  # cma slower: not asked for again until its probe
     votes = lead.run(PROBE_LEN + 1, 200, 300)
     assert votes == [True] * PROBE_LEN + [False]  # (the probe: calls 512-514)
@@ -39,7 +41,7 @@ def test_warm_calls_run_each_plan_then_the_faster_is_kept() -> None:
 
 def test_cma_is_taken_when_the_rings_slow_down_and_left_when_they_recover() -> None:
     lead = Leader()
-    lead.run(2 * WARM_CALLS, 200, 300)
+    lead.run(START, 200, 300)
     # The rings slow to 700 us: the estimate follows within a few calls, then cma is voted for.
     votes = lead.run(8, 700, 300)
     assert votes[0] is False and votes[-1] is True
@@ -62,17 +64,17 @@ def test_cma_is_taken_when_the_rings_slow_down_and_left_when_they_recover() -> N
 
 def test_a_noisy_cycle_does_not_flip_the_vote() -> None:
     lead = Leader()
-    lead.run(2 * WARM_CALLS + 1, 200, 300)
+    lead.run(START + 1, 200, 300)
     assert lead.run(1, 2000, 300) == [False]  # one call 10x slower (a preemption)
     assert not any(lead.run(20, 200, 300))
 
 
 def test_a_band_between_the_two_thresholds_keeps_the_current_plan() -> None:
     lead = Leader()
-    lead.run(2 * WARM_CALLS, 200, 180)  # cma 0.9 of the rings: not enough to switch
+    lead.run(START, 200, 180)  # cma 0.9 of the rings: not enough to switch
     assert not any(lead.run(30, 200, 180))
     lead = Leader()
-    lead.run(2 * WARM_CALLS, 400, 180)
+    lead.run(START, 400, 180)
     votes = lead.run(10, 400, 180)
     assert votes.count(False) <= PROBE_LEN
     # The rings recover to 1.1x cma's: inside the band, cma stays but for the probes.
@@ -96,11 +98,11 @@ def test_cma_is_asked_for_a_while_when_the_calls_do_not_run_it() -> None:
     t = Timed(0, 0)
     now = 1
     votes = []
-    for _ in range(EXPLORE_CALLS + 20):
+    for _ in range(FIRST_CALLS + EXPLORE_CALLS + 20):
         votes.append(t.vote(now))
         t.ran(False)  # a peer voted against every time
         now += 200_000
-    assert votes == [False] * WARM_CALLS + [True] * (EXPLORE_CALLS - WARM_CALLS) + [False] * 20
+    assert votes == [False] * FIRST_CALLS + [True] * EXPLORE_CALLS + [False] * 20
 
 
 def test_only_the_leader_times() -> None:
