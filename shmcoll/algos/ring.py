@@ -208,8 +208,9 @@ _CHAIN_REDUCE_OUTNUMBERED_UNTIL = 16 << 20
 
 
 def _chain_outnumbered(query: Query, size: int) -> bool:
-    """``Algorithm.auto_skip`` for reduce: not below 16 MiB where ranks outnumber the machine's
-    cores (``Query.cores``) at most twice over. The built-in model took the chain from 128 KiB;
+    """``Algorithm.auto_skip`` for reduce: not where ranks outnumber the machine's cores
+    (``Query.cores``) at most twice over: below 16 MiB, and at any size where they are fewer than
+    twice the cores. The built-in model took the chain from 128 KiB;
     there every piece waits at each of the chain's ``n-1`` links for the next rank to get a core,
     where ``dbtree``'s two trees wait at ``log2 n`` links.
 
@@ -222,10 +223,13 @@ def _chain_outnumbered(query: Query, size: int) -> bool:
       under 0.9x at 18, mostly in the two launches that ran in a slow spell (the rings' hand-offs
       3-5x slower), where the two tie (0.93-1.04 per launch);
     - 8 ranks, 5 launches, 48 points: geometric mean 0.88, the chain faster at 39: so from three
-      ranks a core the model decides, as it does from 16 MiB (4 ranks: 0.98-1.17 at 8-16 MiB,
-      1.01-1.23 at 32-64 MiB)."""
-    cores = query.cores
-    return bool(cores) and cores < query.world_size <= 2 * cores and size < _CHAIN_REDUCE_OUTNUMBERED_UNTIL
+      ranks a core the model decides, as it does from 16 MiB at twice as many ranks as cores (4
+      ranks: 0.98-1.17 at 8-16 MiB, 1.01-1.23 at 32-64 MiB);
+    - 3 ranks from 16 MiB (stop 50, ``-a ring,dbtree -b 16M -e 64M --both``, 3 launches, and 8
+      launches of 16 MiB in place beside ``auto`` and ``cma``): the chain 0.99-1.46, slower at 17
+      of 18 points of the first and in all 8 of the second (1.07-1.48)."""
+    cores, n = query.cores, query.world_size
+    return bool(cores) and cores < n <= 2 * cores and (size < _CHAIN_REDUCE_OUTNUMBERED_UNTIL or n < 2 * cores)
 
 
 @register("reduce", "ring", auto_skip=_chain_outnumbered)

@@ -107,7 +107,7 @@ def agreed(rt: Any, b: Bound, limit: float) -> Bound:
     if timed is None:
         vote = local_huge(b)
     elif timed.leader:
-        vote = timed.vote(time.perf_counter_ns())
+        vote = timed.vote()
     else:  # (as the leader's last word says: comm.timed)
         vote = rt._arena.rank_field(timed.leader_rank, layout.R_PAGES) & 1 == 1
     if vote:
@@ -150,11 +150,17 @@ def lean(rt: Any, b: Bound, enter: Any, record: np.ndarray) -> Any:
     huge = engine.record_for(b[0].huge.start, b[1], b[2])
     addresses = (record.ctypes.data, huge.ctypes.data)
 
+    timed = b[0].timed if b[0].timed is not None and b[0].timed.leader else None
+
     def run(_address: int) -> int:
+        if timed is not None:
+            t0 = time.perf_counter_ns()
         chosen = agreed(rt, b, rt._timeout)
         st = enter(addresses[chosen is not b])
         if st != engine.OK:
             rt._wait_or_raise(st, chosen[0], b[1], b[2], rt._timeout)
+        if timed is not None:
+            timed.took(time.perf_counter_ns() - t0)
         return engine.OK  # type: ignore[no-any-return]
 
     run.records = (record, huge)  # type: ignore[attr-defined]  # (alive as long as the entry)

@@ -422,6 +422,11 @@ class Runtime:
         if self._broken is not None:
             self._check_usable()
         limit = self._timeout if timeout is None else config.timeout_s(timeout)
+        timed = b[0].timed
+        if timed is not None and timed.leader:  # (it times its calls: comm.timed)
+            t0_ns = time.perf_counter_ns()
+        else:
+            timed = None
         if b[0].huge is not None:  # auto's choice hinges on the ranks' pages or timings: they agree first
             b = pages.agreed(self, b, limit)
         call, inp, res, result, out, _, _ = b
@@ -445,6 +450,8 @@ class Runtime:
         st = engine.execute(handles, inp, res)
         if st != engine.OK:
             self._wait_or_raise(st, call, inp, res, limit)
+        if timed is not None:
+            timed.took(time.perf_counter_ns() - t0_ns)
         if self._trace:
             self._log.log(
                 TRACE, "%s #%d took %.1f us", call.label, failures.call_number(self), (time.perf_counter() - t0) * 1e6

@@ -13,16 +13,18 @@ shape may be timed (``Algorithm.auto_timed``), the call shape carries both plans
 the plan every rank runs where every rank votes for it) and a :class:`Timed` per rank.
 
 One rank times the calls and decides, the *leader* (the root of a rooted collective, else rank
-0): the root of a reduce is the rank that waits for the whole call. What it times is a call's
-*cycle*, from its start to the start of the shape's next call: what a call costs the program (a
-rank that leaves a call early but waits at the next one's start gains nothing).
+0): the root of a reduce is the rank that waits for the whole call, where its peers may leave
+early. It times each call from before its vote to the engine's return, not what the program does
+between calls. (Timed from one call's start to the next's, a benchmark's barriers and the other
+algorithms it times in turn landed in the times and made them a coin toss: cma ran at 1.6x the
+rings' time for 9 calls in a row in quiet launches.)
 
 - The first calls of the shape run ``auto``'s plan (:data:`FIRST_CALLS`), then a few run cma
   (:data:`WARM_CALLS`; the first call of each plan is not counted, and the fastest of the next
   ones is the plan's first estimate).
 - From then on the leader votes for cma while cma's estimate is under :data:`SWITCH` times the
   other's, and back once the other's is no more than cma's (a band, so that noise does not flip
-  it); the estimates follow each call (:data:`WEIGHT`), a cycle counting as twice the estimate at
+  it); the estimates follow each call (:data:`WEIGHT`), a call counting as twice the estimate at
   most (one that lost its core for a time slice says nothing about the plan).
 - The plan not being run is timed again now and then, for :data:`PROBE_LEN` calls in a row, the
   fastest of them replacing its estimate, which is a spell's old (:data:`PROBE_CALLS`): every 16
@@ -36,10 +38,11 @@ votes against runs the other plan at once, without waiting, and cma's syncs wait
 as the agreement requires. So every rank runs the same plan at every call; where a rank read the
 leader's vote of an earlier call (the leader was behind, or changed its mind), the call runs
 ``auto``'s plan, which is why a probe lasts several calls. (An earlier version let every rank
-vote by its own times: their cycles differ call by call, the votes disagreed at 4 ranks on up
-to 90% of the calls, and the rings then ran with the ranks waiting for each other's votes.)
+vote by its own times: a reduce's ranks take different times (a leaf of ``dbtree`` leaves early),
+the votes disagreed at 4 ranks on up to 90% of the calls, and the rings then ran with the ranks
+waiting for each other's votes.)
 
-What it costs: a clock read and the vote (about 1-2 us in Python, off the lean path), which is
+What it costs: two clock reads and the vote (about 1-2 us in Python, off the lean path), which is
 why only calls from :data:`TIMED_FROM` bytes are timed; the first calls of cma, where it is the
 slower; and in a quiet launch 3 calls of cma of every 512. Asking for an algorithm by name, or setting
 ``SHMCOLL_ALGO``, turns it off; ``SHMCOLL_DEBUG=INFO`` logs each change of plan. The leader's word
@@ -50,28 +53,32 @@ more often than the leader asks, never different plans.
 
 from __future__ import annotations
 
-TIMED_FROM = 1 << 20
-"""Bytes from which a call shape may be timed. At 256 KiB (calls of 30-45 us at 3-4 ranks in
-quiet launches on the VM) the vote and the run loop cost 8-35% (stop 50)."""
+TIMED_FROM = 4 << 20
+"""Bytes from which a call shape may be timed. Where the plan does not change, the timed call
+costs more than its vote's microseconds, by a share that falls with the size (2-core VM, stop
+50, quiet launches): 8-35% at 256 KiB (calls of 30-45 us at 3-4 ranks), about 8% at 1 MiB in a
+loop of calls (10 us of 125), more in ``shmcoll bench`` (1.2x and worse), 1-9% at 4 MiB. The
+cause of most of it was not found (stop 45 met the same with a choice like this one)."""
 
 SWITCH = 0.8
 """cma is voted for once its estimate is under this share of the other plan's; the other is voted
 for again once its estimate is no more than cma's."""
 
 WEIGHT = 0.25
-"""How much a cycle moves its plan's estimate (an exponential average)."""
+"""How much a call's time moves its plan's estimate (an exponential average)."""
 
 FIRST_CALLS = 8
 """Calls of the shape's own plan before cma is first tried: a shape called only a few times (a
-benchmark's large sizes, a program's setup) never pays for trying it."""
+benchmark's large sizes, a program's setup) never pays for trying it. The fastest of their
+times (but the first's) is the plan's first estimate: a launch's first calls wait for ranks
+still starting and for first touches."""
 
 WARM_CALLS = 3
-"""Cycles of each plan that count the fastest, not the average. The first of each is not
+"""Calls of cma the leader asks for after :data:`FIRST_CALLS` (for at most
+:data:`EXPLORE_CALLS` calls, until that many have run). The first call of each plan is not
 counted (it touches scratch and output pages for the first time), and the fastest of the next
 ones is the plan's first estimate: on the VM the first calls of a launch took 25-30 ms at 3
-ranks, waiting for ranks still starting, where later calls of 256 KiB took 0.1. After
-:data:`FIRST_CALLS`, the leader asks for cma until it has run this often, for at most
-:data:`EXPLORE_CALLS` calls."""
+ranks, waiting for ranks still starting, where later calls of 256 KiB took 0.1."""
 
 EXPLORE_CALLS = 3 * WARM_CALLS
 
@@ -98,7 +105,6 @@ class Timed:
         "probe_every",
         "probing",
         "probe_fresh",
-        "last_ns",
         "last_alt",
         "since",
     )
@@ -108,21 +114,16 @@ class Timed:
         self.leader_rank = leader_rank
         self.calls = 0
         self.estimate_ns = [0.0, 0.0]
-        self.counted = [0, 0]  # cycles of each plan timed (the first of each is not counted)
+        self.counted = [0, 0]  # calls of each plan timed (the first of each is not counted)
         self.on_alt = False
         self.probe_every = PROBE_CALLS[0]
         self.probing = False  # the call runs the plan not being run, to time it again
-        self.probe_fresh = False  # no cycle of this probe counted yet
-        self.last_ns = 0  # when the last call started (0: none yet)
+        self.probe_fresh = False  # no call of this probe counted yet
         self.last_alt = False  # whether it ran the other plan
         self.since = 0  # the call after which the leader last changed its mind (probes count from it)
 
-    def vote(self, now_ns: int) -> bool:
-        """The leader's vote for the other plan at a call of the shape starting at ``now_ns``;
-        the last call's cycle ends here and is counted first."""
-        if self.last_ns:
-            self._count(self.last_alt, now_ns - self.last_ns)
-        self.last_ns = now_ns
+    def vote(self) -> bool:
+        """The leader's vote for the other plan at its next call of the shape."""
         self.calls = c = self.calls + 1
         if c <= FIRST_CALLS:
             return False
@@ -145,20 +146,25 @@ class Timed:
         """Which plan the ranks agreed on for the call just voted on."""
         self.last_alt = alt
 
-    def _count(self, alt: bool, cycle_ns: int) -> None:
+    def took(self, elapsed_ns: int) -> None:
+        """What the call just voted on took, from before the vote to the engine's return."""
+        self._count(self.last_alt, elapsed_ns)
+
+    def _count(self, alt: bool, elapsed_ns: int) -> None:
         which = int(alt)
         counted = self.counted[which] = self.counted[which] + 1
         if counted == 1:
             return  # (first touches)
         est = self.estimate_ns
-        if counted <= WARM_CALLS:
-            # The fastest warm cycle: the first calls of a launch also wait for ranks still starting.
-            est[which] = float(cycle_ns) if not est[which] else min(est[which], cycle_ns)
+        if counted <= (WARM_CALLS if alt else FIRST_CALLS):
+            # The fastest warm call: the first calls of a launch also wait for ranks still
+            # starting, or for a program's (a benchmark's) first barriers around them.
+            est[which] = float(elapsed_ns) if not est[which] else min(est[which], elapsed_ns)
         elif self.probing and which != self.on_alt:
-            est[which] = float(cycle_ns) if self.probe_fresh else min(est[which], cycle_ns)
+            est[which] = float(elapsed_ns) if self.probe_fresh else min(est[which], elapsed_ns)
             self.probe_fresh = False
-        else:  # (a cycle preempted for a time slice counts as twice the estimate at most)
-            est[which] += WEIGHT * (min(cycle_ns, 2 * est[which]) - est[which])
+        else:  # (a call preempted for a time slice counts as twice the estimate at most)
+            est[which] += WEIGHT * (min(elapsed_ns, 2 * est[which]) - est[which])
         if not (est[0] and est[1]):
             return
         if self.on_alt:

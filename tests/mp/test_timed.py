@@ -13,18 +13,18 @@ import numpy as np
 import pytest
 from harness import run_ranks
 
-from shmcoll.comm.timed import FIRST_CALLS, PROBE_CALLS, PROBE_LEN, WARM_CALLS
+from shmcoll.comm.timed import FIRST_CALLS, PROBE_CALLS, PROBE_LEN, TIMED_FROM, WARM_CALLS
 from shmcoll.shm import cma
 
 permitted = pytest.mark.skipif(not cma.probe()[0], reason=f"cross-memory attach {cma.probe()[1]}")
 
-COUNT = (1 << 20) // 4  # float32: the smallest timed call (timed.TIMED_FROM)
+COUNT = TIMED_FROM // 4  # float32: the smallest timed call
 
 
 @contextlib.contextmanager
 def _scaled(scale: dict[str, float]) -> Iterator[list[str]]:
     """While the block runs, this rank's calls of the rings' plan (``"own"``) and of cma
-    (``"cma"``) count as ``scale`` times what their cycles took (changed in place to change it midway);
+    (``"cma"``) count as ``scale`` times what they took (changed in place to change it midway);
     yields the labels of the plans run, in order."""
     from shmcoll.comm import pages as agreement
     from shmcoll.comm import timed
@@ -32,8 +32,8 @@ def _scaled(scale: dict[str, float]) -> Iterator[list[str]]:
     ran: list[str] = []
     own_count, own_agreed = timed.Timed._count, agreement.agreed
 
-    def count(self, alt, cycle_ns):  # type: ignore[no-untyped-def]
-        own_count(self, alt, int(cycle_ns * scale["cma" if alt else "own"]))
+    def count(self, alt, elapsed_ns):  # type: ignore[no-untyped-def]
+        own_count(self, alt, int(elapsed_ns * scale["cma" if alt else "own"]))
 
     def agreed(rt, b, limit):  # type: ignore[no-untyped-def]
         chosen = own_agreed(rt, b, limit)
@@ -150,7 +150,7 @@ def test_timed_calls_in_every_form_agree_and_are_exact() -> None:
 
 
 def _timed_shapes(comm) -> list[tuple[str, bool]]:  # type: ignore[no-untyped-def]
-    """Which reduces get a timed call shape: auto's from a quarter mebibyte, auto's below it, and
+    """Which reduces get a timed call shape: auto's from ``TIMED_FROM``, auto's below it, and
     one that names its algorithm (each call shape's label, and whether it is timed)."""
     x = np.ones(COUNT, np.float32)
     small = np.ones(COUNT // 2 - 1, np.float32)
@@ -161,7 +161,7 @@ def _timed_shapes(comm) -> list[tuple[str, bool]]:  # type: ignore[no-untyped-de
 
 
 @permitted
-def test_only_auto_calls_from_a_quarter_mebibyte_are_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_only_auto_calls_from_timed_from_are_timed(monkeypatch: pytest.MonkeyPatch) -> None:
     for found in run_ranks(_timed_shapes, 3, timeout=120):
         assert [on for _, on in found] == [True, False, False], found
         assert f"count={COUNT}," in found[0][0] and "algorithm=cma" not in found[0][0], found

@@ -441,8 +441,9 @@ def test_allgatherv_leaves_the_ring_where_ranks_outnumber_cores() -> None:
 def test_reduce_leaves_the_chain_where_ranks_outnumber_cores() -> None:
     """Where ranks outnumber cores at most twice over, reduce runs no chain below 16 MiB (the
     built-in model took ``ring``'s chain from 128 KiB at 3-4 ranks on 2 cores, where ``dbtree``
-    measured up to 1.7x faster); from 16 MiB, at three ranks a core or more, and with a core per
-    rank or unknown cores, the model decides as before."""
+    measured up to 1.7x faster), nor at any size where they are fewer than twice the cores; from
+    16 MiB at twice the cores, at three ranks a core or more, and with a core per rank or unknown
+    cores, the model decides as before."""
 
     def pick(n: int, nbytes: int, cores: int, inplace: bool = False) -> str:
         query = Query("reduce", n, nbytes // 4, 4, inplace=inplace, cores=cores)
@@ -457,6 +458,8 @@ def test_reduce_leaves_the_chain_where_ranks_outnumber_cores() -> None:
     assert {pick(4, 1 << 20, cores) for cores in (0, 4)} == {"ring"}  # (the model, as before)
     assert pick(8, 1 << 20, cores=2) == "ring"  # (four ranks a core: the model)
     assert pick(4, 16 << 20, cores=2) == "ring"
+    for nbytes in (16 << 20, 64 << 20):  # fewer than twice the cores: at every size
+        assert pick(3, nbytes, cores=2) != "ring"
 
 
 def test_ranks_outnumbering_cores_pay_a_longer_hand_off() -> None:

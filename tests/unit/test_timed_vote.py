@@ -1,4 +1,4 @@
-"""The timed choice's leader (``comm/timed.py``), fed made-up cycles: which plan it votes for at
+"""The timed choice's leader (``comm/timed.py``), fed made-up call times: which plan it votes for at
 each call as the two plans' times change, the other ranks following its every vote."""
 
 from __future__ import annotations
@@ -9,19 +9,18 @@ START = FIRST_CALLS + WARM_CALLS  # the calls before the leader votes by its est
 
 
 class Leader:
-    """A leader and its clock: each call's cycle is the time of the plan it voted for."""
+    """A leader whose calls take the time of the plan it voted for."""
 
     def __init__(self) -> None:
         self.t = Timed(0, 0)
-        self.now_ns = 1
 
     def run(self, calls: int, own_us: float, alt_us: float) -> list[bool]:
         votes = []
         for _ in range(calls):
-            vote = self.t.vote(self.now_ns)
+            vote = self.t.vote()
             self.t.ran(vote)
             votes.append(vote)
-            self.now_ns += int(1000 * (alt_us if vote else own_us))
+            self.t.took(int(1000 * (alt_us if vote else own_us)))
         return votes
 
 
@@ -62,7 +61,7 @@ def test_cma_is_taken_when_the_rings_slow_down_and_left_when_they_recover() -> N
     assert not any(votes[back:])
 
 
-def test_a_noisy_cycle_does_not_flip_the_vote() -> None:
+def test_a_noisy_call_does_not_flip_the_vote() -> None:
     lead = Leader()
     lead.run(START + 1, 200, 300)
     assert lead.run(1, 2000, 300) == [False]  # one call 10x slower (a preemption)
@@ -82,26 +81,26 @@ def test_a_band_between_the_two_thresholds_keeps_the_current_plan() -> None:
     assert sum(votes) >= 64 - 4 * PROBE_LEN
 
 
-def test_the_first_cycle_of_each_plan_is_not_counted_and_warm_cycles_count_their_fastest() -> None:
+def test_the_first_call_of_each_plan_is_not_counted_and_warm_calls_count_their_fastest() -> None:
     lead = Leader()
     lead.run(1, 50_000, 0)  # first touches: 50 ms
-    lead.run(1, 30_000, 0)  # a rank still starting
     assert lead.t.estimate_ns[0] == 0.0
-    lead.run(1, 200, 0)
+    lead.run(1, 30_000, 0)  # a rank still starting
     assert lead.t.estimate_ns[0] == 30_000_000
-    lead.run(1, 0, 0)
+    lead.run(1, 200, 0)
     assert lead.t.estimate_ns[0] == 200_000
+    lead.run(FIRST_CALLS - 3, 400, 0)
+    assert lead.t.estimate_ns[0] == 200_000  # (the fastest of the first calls)
 
 
 def test_cma_is_asked_for_a_while_when_the_calls_do_not_run_it() -> None:
     """(The other ranks may read an earlier vote of the leader's: the call then runs the rings.)"""
     t = Timed(0, 0)
-    now = 1
     votes = []
     for _ in range(FIRST_CALLS + EXPLORE_CALLS + 20):
-        votes.append(t.vote(now))
+        votes.append(t.vote())
         t.ran(False)  # a peer voted against every time
-        now += 200_000
+        t.took(200_000)
     assert votes == [False] * FIRST_CALLS + [True] * EXPLORE_CALLS + [False] * 20
 
 
