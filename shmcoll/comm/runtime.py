@@ -422,12 +422,11 @@ class Runtime:
         if self._broken is not None:
             self._check_usable()
         limit = self._timeout if timeout is None else config.timeout_s(timeout)
-        timed = b[0].timed
-        if timed is not None and timed.leader:  # (it times its calls: comm.timed)
-            t0_ns = time.perf_counter_ns()
-        else:
-            timed = None
+        timed = None
         if b[0].huge is not None:  # auto's choice hinges on the ranks' pages or timings: they agree first
+            if b[0].timed is not None and b[0].timed.leader:  # (it times its calls: comm.timed)
+                timed = b[0].timed
+                t0_ns = time.perf_counter_ns()
             b = pages.agreed(self, b, limit)
         call, inp, res, result, out, _, _ = b
         if inp is None:
