@@ -283,7 +283,7 @@ def prepare(
                 return call
         alg = pick(query, algorithm)
         if algorithm == "auto" and alg.name != "cma" and not record.varying and not widened:
-            timed_alg = _timed_alternative(query, rt.world_size)
+            timed_alg = _timed_alternative(query)
             if timed_alg is not None:
                 call = build(alg)
                 call.huge = build(timed_alg)
@@ -299,11 +299,11 @@ def prepare(
     return build(alg)
 
 
-def _timed_alternative(query: Query, world_size: int) -> registry.Algorithm | None:
+def _timed_alternative(query: Query) -> registry.Algorithm | None:
     """cma, where ``auto`` times it against its own pick at every call of this shape
     (``Algorithm.auto_timed``, :mod:`shmcoll.comm.timed`); None elsewhere. Not with
     ``SHMCOLL_ALGO`` set (the user's choice is fixed), nor where cma cannot serve the call."""
-    if world_size < 2 or not query.cma or config.get().algo:
+    if query.world_size < 2 or not query.cma or config.get().algo:
         return None
     try:
         alg = registry.get(query.collective, "cma")
