@@ -159,6 +159,8 @@ class PointToPoint:
         self._thread: threading.Thread | None = None
         self._wake = threading.Condition(self._lock)  # type: ignore[arg-type]  # (any lock with acquire/release)
         self._stopping = False
+        # Peers found gone once by _check_waiting: the next look at one of them is fatal.
+        self._gone: set[int] = set()
         # The lean path (see the module doc): the last direct send and receive, then, once one is
         # made again with the same arrays, its record for mailbox.send_at / recv_at.
         self._send_seen: tuple[Any, ...] | None = None
@@ -588,6 +590,13 @@ class PointToPoint:
                 continue
             status = rt._arena.peer_status(p)
             if status in ("dead", "failed") or (status == "exited" and peer != ANY_SOURCE):
+                if p not in self._gone:
+                    # What the peer sent before it left is still there, and the caller looks for
+                    # it once more before the peer counts as lost: a receive that looked just
+                    # before the message came, and at its sender just after it closed, raised
+                    # "lost (exited)" with the message there.
+                    self._gone.add(p)
+                    continue
                 msg = f"rank {rt.rank}: {what}: peer rank {p} was lost ({status})"
                 rt._arena.abort(rt.rank, layout.ABORT_PEER_LOST, p)
                 rt._broken = msg

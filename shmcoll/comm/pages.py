@@ -216,7 +216,7 @@ def _check(rt: Any, b: Bound, peer: int, waited: float, limit: float) -> None:
     call = b[0]
     if rt._arena.word(layout.AB_CODE) != 0:
         failures.fail_aborted(rt, call)
-    lost = failures.lost_peer(rt)
+    lost = failures.lost_peer(rt, failures.next_seq(rt, call))
     if lost is not None:
         failures.fail_peer_lost(rt, call, *lost)
     a = rt._arena

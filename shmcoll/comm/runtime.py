@@ -519,7 +519,7 @@ class Runtime:
                 if st == engine.WAITING:
                     if self._arena.word(layout.AB_CODE) != 0:
                         failures.fail_aborted(self, call)  # the cause is whoever aborted, not who left since
-                    lost = failures.lost_peer(self)
+                    lost = failures.lost_peer(self, failures.call_number(self))
                     if lost is not None:
                         failures.fail_peer_lost(self, call, *lost)
                     failures.check_awaited_call(self, call)

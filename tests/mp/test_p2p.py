@@ -409,6 +409,37 @@ def test_a_receive_from_a_dead_peer_raises_within_seconds(tmp_path) -> None:  # 
     assert info.value.rank == 1
 
 
+def _sends_then_closes(comm):  # type: ignore[no-untyped-def]
+    """Rank 1 sends late and closes its communicator; rank 0's receive looked for the message just
+    before it came, and looks at its peers only once rank 1 has closed (held back here to make
+    that moment certain): the message is there, so the receive must return it."""
+    comm.barrier()
+    if comm.rank == 1:
+        time.sleep(0.3)  # past rank 0's first look at its peers (p2p._CHECK_S)
+        comm.send(np.full(2, 7.0), 0, tag=3)
+        return None
+    arena = comm._arena
+    real = arena.peer_status
+
+    def held_back(rank):  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + 30
+        while real(rank) != "exited" and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return real(rank)
+
+    arena.peer_status = held_back
+    out = np.zeros(2)
+    try:
+        comm.recv(out, 1, tag=3, timeout=30)
+    finally:
+        del arena.peer_status
+    return out.tolist()
+
+
+def test_a_message_sent_before_its_sender_closed_is_received() -> None:
+    assert shmcoll.spawn(_sends_then_closes, 2, timeout=60)[0] == [7.0, 7.0]
+
+
 def _buffers(comm):  # type: ignore[no-untyped-def]
     r = comm.rank
     ba = bytearray([r + 1] * 4)

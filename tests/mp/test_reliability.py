@@ -272,7 +272,7 @@ def test_a_peer_that_left_because_of_an_abort_is_never_blamed() -> None:
             comms[1]._broken = "found rank 2 lost"
             comms[1].close()
             comms[0]._state[engine.S_WAIT_PEER] = 1
-            assert failures.lost_peer(comms[0]) is None
+            assert failures.lost_peer(comms[0], failures.call_number(comms[0]) + 1) is None
         finally:
             for c in (comms[0], comms[2]):
                 c.close()
