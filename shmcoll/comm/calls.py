@@ -280,6 +280,11 @@ def prepare(
                 call = build(pick(query, algorithm, pages=" if not"))
                 call.huge = build(huge_alg)
                 call.reached = cma_plans.reached(kind, rt.rank == root, count, rt.world_size)
+                alternative = _timed_alternative(query)
+                if alternative is not None and alternative.name == huge_alg.name:
+                    # On ordinary pages too, where the leader's times say cma (comm.timed).
+                    _time(rt, call, record.rooted, root, huge_alg, " (and by its pages)")
+                    call.timed.paged = True
                 return call
         alg = pick(query, algorithm)
         if algorithm == "auto" and alg.name != "cma" and not record.varying and not widened:
@@ -287,16 +292,22 @@ def prepare(
             if timed_alg is not None:
                 call = build(alg)
                 call.huge = build(timed_alg)
-                leader = root if record.rooted else 0
-                call.timed = timed.Timed(leader, rt.rank)
-                rt._log.info(
-                    "%s: timed choice between it and %s, by what rank %d's calls take (comm.timed)",
-                    call.label,
-                    timed_alg.name,
-                    leader,
-                )
+                _time(rt, call, record.rooted, root, timed_alg, "")
                 return call
     return build(alg)
+
+
+def _time(rt: Any, call: Call, rooted: bool, root: int, alternative: registry.Algorithm, also: str) -> None:
+    """Make ``call`` a timed call shape (its ``huge`` plan built already: ``alternative``'s)."""
+    leader = root if rooted else 0
+    call.timed = timed.Timed(leader, rt.rank)
+    rt._log.info(
+        "%s: timed choice between it and %s, by what rank %d's calls take%s (comm.timed)",
+        call.label,
+        alternative.name,
+        leader,
+        also,
+    )
 
 
 def _timed_alternative(query: Query) -> registry.Algorithm | None:
@@ -310,7 +321,7 @@ def _timed_alternative(query: Query) -> registry.Algorithm | None:
     except ValueError:  # (no cma plan for this collective)
         return None
     size = call_size(query)
-    if alg.auto_timed is None or size < timed.TIMED_FROM or not alg.auto_timed(query, size):
+    if alg.auto_timed is None or size < timed.timed_from(query.world_size) or not alg.auto_timed(query, size):
         return None
     # In place is per rank, and every rank must decide alike (as select._candidates).
     flipped = dataclasses.replace(query, inplace=not query.inplace)

@@ -106,10 +106,14 @@ def agreed(rt: Any, b: Bound, limit: float) -> Bound:
     timed = call.timed
     if timed is None:
         vote = local_huge(b)
-    elif timed.leader:
-        vote = timed.vote()
-    else:  # (as the leader's last word says: comm.timed)
-        vote = rt._arena.rank_field(timed.leader_rank, layout.R_PAGES) & 1 == 1
+    else:
+        if timed.leader:
+            vote = timed.vote()
+            rt._ctrl[words[2]] = vote
+        else:  # (as the leader's times last said: comm.timed)
+            vote = rt._arena.rank_field(timed.leader_rank, layout.R_TIMED) == 1
+        if not vote and timed.paged:
+            vote = local_huge(b)
     if vote:
         every = _every_peer_huge(rt, b, words[1], k, limit)
     else:
@@ -167,9 +171,10 @@ def lean(rt: Any, b: Bound, enter: Any, record: np.ndarray) -> Any:
     return run
 
 
-def _words(rt: Any) -> tuple[tuple[int, int], np.ndarray]:
+def _words(rt: Any) -> tuple[tuple[int, int], np.ndarray, int]:
     """(this rank's word and its waiters' word, ``engine.agree_pages``' table: those two, the
-    number of peers, then the peers' words, their waiters' words and their ranks)."""
+    number of peers, then the peers' words, their waiters' words and their ranks; this rank's
+    word for its timed votes, ``layout.R_TIMED``)."""
     lay, me = rt._arena.layout, rt._rank
     peers = [p for p in range(rt._world_size) if p != me]
     mine = (lay.rank_word(me, layout.R_PAGES), lay.rank_word(me, layout.R_PAGES_WAITERS))
@@ -180,7 +185,7 @@ def _words(rt: Any) -> tuple[tuple[int, int], np.ndarray]:
         *(lay.rank_word(p, layout.R_PAGES_WAITERS) for p in peers),
         *peers,
     ]
-    return mine, np.array(table, np.int64)
+    return mine, np.array(table, np.int64), lay.rank_word(me, layout.R_TIMED)
 
 
 def _every_peer_huge(rt: Any, b: Bound, table: np.ndarray, k: int, limit: float) -> bool:

@@ -31,8 +31,8 @@ rings' time for 9 calls in a row in quiet launches.)
   calls while cma runs, half as often each time a probe finds cma still faster, down to every
   256; every 512 while the other runs.
 
-The other ranks vote as the leader last did: its vote is the parity of its word in the arena,
-which they read without waiting. The ranks then agree before each call as for the pages
+The other ranks vote as the leader last did: it writes its vote in its rank record
+(``layout.R_TIMED``), where they read it without waiting. The ranks then agree before each call as for the pages
 (:func:`shmcoll.comm.pages.agreed`): cma runs only where every rank voted for it, a rank that
 votes against runs the other plan at once, without waiting, and cma's syncs wait for every rank,
 as the agreement requires. So every rank runs the same plan at every call; where a rank read the
@@ -43,12 +43,20 @@ the votes disagreed at 4 ranks on up to 90% of the calls, and the rings then ran
 waiting for each other's votes.)
 
 What it costs: two clock reads and the vote (about 1-2 us in Python, off the lean path), which is
-why only calls from :data:`TIMED_FROM` bytes are timed; the first calls of cma, where it is the
-slower; and in a quiet launch 3 calls of cma of every 512. Asking for an algorithm by name, or setting
-``SHMCOLL_ALGO``, turns it off; ``SHMCOLL_DEBUG=INFO`` logs each change of plan. The leader's word
-is the one every page-aware or timed call publishes, so where two such call shapes take turns,
-the other ranks may read the leader's vote on the other shape: the calls then run ``auto``'s plan
-more often than the leader asks, never different plans.
+why only calls from :data:`TIMED_FROM` bytes are timed (:data:`PAIR_FROM` at 2 ranks); the first
+calls of cma, where it is the slower; and in a quiet launch 3 calls of cma of every 512. Asking for
+an algorithm by name, or setting ``SHMCOLL_ALGO``, turns it off; ``SHMCOLL_DEBUG=INFO`` logs each
+change of plan. The leader's vote is one word, which every timed call shape writes, so where two
+timed shapes take turns, the other ranks may read the leader's vote on the other shape: the calls
+then run ``auto``'s plan more often, or cma less often, than the leader asks, never different
+plans.
+
+A call shape that is page-aware as well (a 2-rank reduce from 1 MiB, whose huge-page plan is
+cma) keeps both reasons: a rank votes for cma where the leader's times say so or where its own
+buffers are on huge pages, so cma runs where every rank's buffers are on huge pages, as before,
+and on any pages where the leader's times ask for it. (The others follow the leader's times, not
+its agreement word: a leader on huge pages votes yes there whatever its times say, and a peer on
+4 KiB pages reading that as the leader's times would run cma where the pages ask for the rings.)
 """
 
 from __future__ import annotations
@@ -59,6 +67,19 @@ costs more than its vote's microseconds, by a share that falls with the size (2-
 50, quiet launches): 8-35% at 256 KiB (calls of 30-45 us at 3-4 ranks), about 8% at 1 MiB in a
 loop of calls (10 us of 125), more in ``shmcoll bench`` (1.2x and worse), 1-9% at 4 MiB. The
 cause of most of it was not found (stop 45 met the same with a choice like this one)."""
+
+PAIR_FROM = 1 << 20
+"""Bytes from which a call shape of 2 ranks may be timed. There the rings lose most in the slow
+spells (2-core Zen 4 VM, stop 51: a side-by-side run's 2-rank reduce took 470-570 us at 1 MiB in
+all three of its launches, against Open MPI's 107-135 and its own 120 in quiet launches, 8 KiB
+to 16 MiB alike), and 1 MiB is where ``auto``'s 2-rank reduce already looks at the ranks'
+pages, so the two choices share one agreement (``Timed.paged``)."""
+
+
+def timed_from(world_size: int) -> int:
+    """Bytes from which a call shape of ``world_size`` ranks may be timed."""
+    return PAIR_FROM if world_size == 2 else TIMED_FROM
+
 
 SWITCH = 0.8
 """cma is voted for once its estimate is under this share of the other plan's; the other is voted
@@ -93,11 +114,13 @@ up to the second as long as a probe finds cma still faster); while the other run
 class Timed:
     """One rank's part in the timed choice of a call shape (see the module doc): on the leader
     (``leader``), its timings of the shape's two plans (``estimate_ns``: the shape's own plan
-    first, 0 before it is timed) and its vote; elsewhere, which rank leads."""
+    first, 0 before it is timed) and its vote; elsewhere, which rank leads. ``paged``: the shape
+    is also page-aware (cma as its huge-page plan): a rank on huge pages votes for cma anyway."""
 
     __slots__ = (
         "leader",
         "leader_rank",
+        "paged",
         "calls",
         "estimate_ns",
         "counted",
@@ -109,9 +132,12 @@ class Timed:
         "since",
     )
 
-    def __init__(self, leader_rank: int, rank: int) -> None:
+    def __init__(self, leader_rank: int, rank: int, paged: bool = False) -> None:
         self.leader = leader_rank == rank
         self.leader_rank = leader_rank
+        # The call shape is page-aware too: a rank whose buffers are on huge pages votes for cma
+        # whatever the leader's times say (comm.pages.agreed).
+        self.paged = paged
         self.calls = 0
         self.estimate_ns = [0.0, 0.0]
         self.counted = [0, 0]  # calls of each plan timed (the first of each is not counted)

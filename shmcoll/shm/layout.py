@@ -130,6 +130,10 @@ R_COMPILING = WORDS_PER_LINE + 3  # 1 while the rank compiles kernels (its peers
 # 2k where not (comm.pages); 0: none yet. (A word 6 left zero: nothing moved, the version stays.)
 R_PAGES = WORDS_PER_LINE + 4
 R_PAGES_WAITERS = WORDS_PER_LINE + 5  # ranks sleeping on R_PAGES (its futex)
+# 1 where the leader of a timed call shape last voted for cma by its times (comm.timed), else 0:
+# what its peers follow. Apart from R_PAGES, whose parity also says where a page-aware timed
+# shape's leader voted for its pages.
+R_TIMED = WORDS_PER_LINE + 6
 # Rank states.
 STATE_IDLE, STATE_IN_CALL, STATE_FAILED, STATE_EXITED = range(4)
 # Abort codes: why a communicator is broken (0: it is not).

@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 from harness import run_ranks
 
-from shmcoll.comm.timed import FIRST_CALLS, PROBE_CALLS, PROBE_LEN, TIMED_FROM, WARM_CALLS
-from shmcoll.shm import cma
+from shmcoll.comm.timed import EXPLORE_CALLS, FIRST_CALLS, PAIR_FROM, PROBE_CALLS, PROBE_LEN, TIMED_FROM, WARM_CALLS
+from shmcoll.shm import cma, pages
 
 permitted = pytest.mark.skipif(not cma.probe()[0], reason=f"cross-memory attach {cma.probe()[1]}")
 
 COUNT = TIMED_FROM // 4  # float32: the smallest timed call
+PAIR_COUNT = PAIR_FROM // 4  # the same at 2 ranks
 
 
 @contextlib.contextmanager
@@ -47,18 +48,21 @@ def _scaled(scale: dict[str, float]) -> Iterator[list[str]]:
         timed.Timed._count, agreement.agreed = own_count, own_agreed  # type: ignore[method-assign]
 
 
-def _expected(n: int) -> np.ndarray:
-    return n * (np.arange(COUNT, dtype=np.float32) % 1000) + sum(range(n))
+def _expected(n: int, count: int = COUNT) -> np.ndarray:
+    return n * (np.arange(count, dtype=np.float32) % 1000) + sum(range(n))
 
 
-def _follows(comm, slow_first: list[str], calls: tuple[int, int]) -> tuple[list[str], bool, str]:  # type: ignore[no-untyped-def]
-    """``calls[0]`` reduces in which this rank's calls of ``slow_first[rank]`` ("own", "cma" or
-    "") count 20 times what they took, then ``calls[1]`` in which the other plan's do: the plans
-    run, whether every result was exact, and the algorithm auto picked."""
+def _follows(comm, slow_first: list[str], calls: tuple[int, int], count: int = COUNT, on: str | list[str] = "numpy"):  # type: ignore[no-untyped-def]
+    """``calls[0]`` reduces of ``count`` elements (on pages ``on``, or ``on[rank]``) in which this rank's calls of
+    ``slow_first[rank]`` ("own", "cma" or "") count 20 times what they took, then ``calls[1]`` in
+    which the other plan's do: the plans run, whether every result was exact, the algorithm auto
+    picked, and whether the call shape was page-aware too."""
     r, n = comm.rank, comm.world_size
-    x = (np.arange(COUNT, dtype=np.float32) % 1000) + r
-    out = np.empty(COUNT, np.float32)
-    expected = _expected(n)
+    kind = on[r] if isinstance(on, list) else on
+    x = pages.array(count, np.float32, kind)
+    x[...] = (np.arange(count, dtype=np.float32) % 1000) + r
+    out = pages.array(count, np.float32, kind)
+    expected = _expected(n, count)
     scale = {"own": 1.0, "cma": 1.0}
     slow = slow_first[r]
     exact = True
@@ -72,7 +76,7 @@ def _follows(comm, slow_first: list[str], calls: tuple[int, int]) -> tuple[list[
                 got = comm.reduce(x, 0, out=out if r == 0 else None)
                 exact &= r != 0 or bool(np.array_equal(got, expected))
     shape = next(c for c in comm._calls.values() if getattr(c, "timed", None) is not None)
-    return ran, exact, shape.label
+    return ran, exact, shape.label, shape.timed.paged
 
 
 @permitted
@@ -94,6 +98,70 @@ def test_every_rank_runs_cma_while_the_rings_are_slower_and_the_rings_again_afte
     # (but for cma's probe, every PROBE_CALLS[2] calls).
     tail = ran[calls[0] + PROBE_CALLS[1] :]
     assert tail.count("own") >= len(tail) - PROBE_LEN, tail
+
+
+@permitted
+def test_a_pair_runs_cma_while_the_rings_are_slower_on_ordinary_pages() -> None:
+    """At 2 ranks from ``PAIR_FROM``, where the call shape looks at the ranks' pages too: on
+    numpy's pages the leader's times decide, as at 3 ranks."""
+    calls = (96, PROBE_CALLS[1] + 64)
+    results = run_ranks(_follows, 2, ["own"] * 2, calls, PAIR_COUNT, "small", timeout=120)
+    ran = results[0][0]
+    assert all(r[0] == ran for r in results), "the ranks ran different plans"
+    assert all(r[1] for r in results)
+    assert "algorithm=cma" not in results[0][2]
+    assert all(r[3] == pages.can_scan() for r in results), results[0][3]  # (page-aware where pages can be seen)
+    assert ran[:FIRST_CALLS] == ["own"] * FIRST_CALLS
+    slow_phase = ran[FIRST_CALLS + WARM_CALLS + 8 : calls[0]]
+    assert slow_phase.count("own") <= 4 * PROBE_LEN, slow_phase
+    tail = ran[calls[0] + PROBE_CALLS[1] :]
+    assert tail.count("own") >= len(tail) - PROBE_LEN, tail
+
+
+huge_pages = pytest.mark.skipif(
+    not (pages.can_scan() and pages.thp_setting() in ("always", "madvise")), reason="no PAGEMAP_SCAN or huge pages"
+)
+
+
+@permitted
+@huge_pages
+def test_a_pair_on_huge_pages_runs_cma_whatever_the_times_say() -> None:
+    """Where every rank's buffers are on huge pages, cma runs at every call, as it did before the
+    shape was timed, even where the leader's times make cma look 20x slower."""
+    results = run_ranks(_follows, 2, ["cma"] * 2, (40, 0), PAIR_COUNT, "huge", timeout=120)
+    ran = results[0][0]
+    assert all(r[0] == ran for r in results) and all(r[1] for r in results)
+    assert all(r[3] for r in results)
+    assert ran[1:] == ["cma"] * (len(ran) - 1), ran  # (the first call sees its pages before they are settled)
+
+
+@permitted
+@huge_pages
+@pytest.mark.parametrize("kinds", [["huge", "small"], ["small", "huge"]])
+def test_a_pair_on_mixed_pages_follows_the_leaders_times_alone(kinds: list[str]) -> None:
+    """Where one rank's buffers are on huge pages and the other's are not, the pages ask for the
+    rings, and cma runs only where the leader's times ask for it: the leader's vote for its
+    pages is not read as a vote by its times."""
+    explored = FIRST_CALLS + EXPLORE_CALLS + 2
+    for slow, wanted in (("cma", "own"), ("own", "cma")):
+        results = run_ranks(_follows, 2, [slow] * 2, (64, 0), PAIR_COUNT, kinds, timeout=120)
+        ran = results[0][0]
+        assert all(r[0] == ran for r in results) and all(r[1] for r in results)
+        late = ran[explored:]
+        assert late.count(wanted) >= len(late) - 4 * PROBE_LEN, (slow, late)
+
+
+def _pair_shapes(comm) -> list[tuple[str, bool]]:  # type: ignore[no-untyped-def]
+    """Which 2-rank reduces get a timed call shape: auto's from ``PAIR_FROM`` and below it."""
+    comm.reduce(np.ones(PAIR_COUNT, np.float32), 0)
+    comm.reduce(np.ones(PAIR_COUNT // 2 - 1, np.float32), 0)
+    return [(c.label, c.timed is not None) for c in comm._calls.values()]
+
+
+@permitted
+def test_a_pair_is_timed_from_pair_from() -> None:
+    for found in run_ranks(_pair_shapes, 2, timeout=120):
+        assert [on for _, on in found] == [True, False], found
 
 
 @permitted
