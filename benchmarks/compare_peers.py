@@ -525,10 +525,17 @@ _CALL_LINE = re.compile(
     r"\] (?P<collective>\w+)\(count=(?P<count>\d+), float32\b[^)]*\): algorithm (?P<algorithm>\w+),"
 )
 _RACE_LINE = re.compile(r"\] cross-memory attach: (?P<race>.*)$")
-# A call shape whose choice hinges on the ranks' pages says which plan the ranks agreed on, when
-# it changes (``comm/pages.py``): that one ran, not the last one built.
+# A call shape whose choice hinges on the ranks' pages, or on the leader's times, says which plan
+# the ranks agreed on, when it changes (``comm/pages.py``): that one ran, not the last one built
+# (the leader's timed lines end with its estimates).
 _PAGES_LINE = re.compile(
-    r"\] (?P<collective>\w+)\(count=(?P<count>\d+), float32\b[^)]*\): pages: .*: algorithm (?P<algorithm>\w+)$"
+    r"\] (?P<collective>\w+)\(count=(?P<count>\d+), float32\b[^)]*\): (?:pages|timed): .*: "
+    r"algorithm (?P<algorithm>\w+)(?: \(call .*\))?$"
+)
+# A timed call shape (``comm/timed.py``) says so when it is made: its plan and the other.
+_TIMED_LINE = re.compile(
+    r"\] (?P<collective>\w+)\(count=(?P<count>\d+), float32\b[^)]*algorithm=(?P<own>\w+)\): "
+    r"timed choice between it and (?P<alt>\w+)"
 )
 
 
@@ -553,7 +560,7 @@ class _AutoLog(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         msg = record.getMessage()
-        if _CALL_LINE.search(msg) or _RACE_LINE.search(msg) or _PAGES_LINE.search(msg):
+        if _CALL_LINE.search(msg) or _RACE_LINE.search(msg) or _PAGES_LINE.search(msg) or _TIMED_LINE.search(msg):
             self.lines.append(msg)
 
     def send(self) -> None:
@@ -1221,15 +1228,24 @@ def auto_choices(comp: Comparison) -> list[str]:
             continue
         key = (run["collective"], run["world_size"])
         race, picks = "", {}
+        timed: dict[int, tuple[str, str]] = {}  # size: (its own plan, the other), where timed
         for line in run["auto"]:
             said = _RACE_LINE.search(line)
             if said:
                 race = _race_words(said.group("race"))
-            call = _CALL_LINE.search(line) or _PAGES_LINE.search(line)
+            call = _CALL_LINE.search(line) or _PAGES_LINE.search(line) or _TIMED_LINE.search(line)
             if call and call.group("collective") == key[0]:
                 size = int(call.group("count")) * 4 * (key[1] if key[0] in BLOCKED else 1)
-                if size in measured.get(key, ()):
+                if size not in measured.get(key, ()):
+                    continue
+                if "own" in call.groupdict():  # (a timed shape: its own plan runs first)
+                    timed[size] = (call.group("own"), call.group("alt"))
+                    picks[size] = call.group("own")
+                elif size not in timed or _PAGES_LINE.search(line):
                     picks[size] = call.group("algorithm")
+        for size, plans in timed.items():  # what ran last, and what it was timed against
+            other = plans[1] if picks[size] == plans[0] else plans[0]
+            picks[size] = f"{picks[size]} (timed against {other})"
         per_round.setdefault(key, {})[run["round"]] = (race, picks)
     out = []
     for (collective, world), rounds in per_round.items():

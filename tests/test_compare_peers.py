@@ -465,6 +465,34 @@ def test_what_auto_ran_follows_the_pages_the_ranks_agreed_on() -> None:
     assert not cp._CALL_LINE.search(lines[3])
 
 
+def test_what_auto_ran_says_where_the_shape_was_timed() -> None:
+    """A timed call shape (``comm/timed.py``) builds two plans and logs both, then says when the
+    ranks' plan changes: the report names the plan that ran last and what it was timed against."""
+    M = cp.Measurement
+    ms = [M("shmcoll", 0, _row("reduce", 2, s, 1.0)) for s in (1 << 20, 2 << 20, 4 << 20)]
+    label = "reduce(count={}, float32, SUM, root=0, algorithm={})"
+
+    def built(count: int, algorithm: str) -> str:
+        return f"[rank 0] {label.format(count, algorithm)}: algorithm {algorithm}, 1 piece(s) of 16384 + tail 0"
+
+    def timed(count: int) -> str:
+        return f"[rank 0] {label.format(count, 'direct')}: timed choice between it and cma, by what rank 0's calls take"
+
+    def agreed(count: int, every: bool) -> str:
+        said = f"{'' if every else 'not '}every rank voted for cma: algorithm {'cma' if every else 'direct'}"
+        estimates = "(call 9; estimates 120.0 us for its own plan, 0.0 for cma)"
+        return f"[rank 0] {label.format(count, 'direct')}: timed: {said} {estimates}"
+
+    lines = [built(262144, "direct"), built(262144, "cma"), timed(262144), agreed(262144, True), agreed(262144, False)]
+    lines += [built(524288, "direct"), built(524288, "cma"), timed(524288), agreed(524288, True)]
+    lines += [built(1048576, "direct"), built(1048576, "cma"), timed(1048576)]
+    run = {"library": "shmcoll", "world_size": 2, "collective": "reduce", "round": 0, "status": "ok", "auto": lines}
+    assert cp.auto_choices(cp.Comparison(["shmcoll"], ms, [run], {})) == [
+        "reduce, 2 ranks (round): race: -; 1 MiB direct (timed against cma), 2 MiB cma (timed against direct), "
+        "4 MiB direct (timed against cma)"
+    ]
+
+
 def test_text_table() -> None:
     text = cp.format_text(_comparison())
     lines = text.splitlines()
