@@ -30,7 +30,7 @@ from shmcoll.engine import cpu as engine
 from shmcoll.plan import ir
 from shmcoll.plan.passes import plan_call
 from shmcoll.plan.verify import verify
-from shmcoll.shm import cma, pages
+from shmcoll.shm import cma, layout, pages
 from shmcoll.types import BFLOAT16, BOOL, FLOAT16, ReduceOp, engine_types, identity
 
 log = logging.getLogger("shmcoll")
@@ -283,8 +283,7 @@ def prepare(
                 alternative = _timed_alternative(query)
                 if alternative is not None and alternative.name == huge_alg.name:
                     # On ordinary pages too, where the leader's times say cma (comm.timed).
-                    _time(rt, call, record.rooted, root, huge_alg, " (and by its pages)")
-                    call.timed.paged = True
+                    _time(rt, call, record.rooted, root, huge_alg, " (and by its pages)", paged=True)
                 return call
         alg = pick(query, algorithm)
         if algorithm == "auto" and alg.name != "cma" and not record.varying and not widened:
@@ -297,10 +296,14 @@ def prepare(
     return build(alg)
 
 
-def _time(rt: Any, call: Call, rooted: bool, root: int, alternative: registry.Algorithm, also: str) -> None:
-    """Make ``call`` a timed call shape (its ``huge`` plan built already: ``alternative``'s)."""
+def _time(
+    rt: Any, call: Call, rooted: bool, root: int, alternative: registry.Algorithm, also: str, paged: bool = False
+) -> None:
+    """Make ``call`` a timed call shape (its ``huge`` plan built already: ``alternative``'s);
+    ``paged``: page-aware too (``Timed.paged``)."""
     leader = root if rooted else 0
-    call.timed = timed.Timed(leader, rt.rank)
+    word = rt._arena.layout.rank_word(leader, layout.R_TIMED)
+    call.timed = timed.Timed(leader, rt.rank, paged, word)
     rt._log.info(
         "%s: timed choice between it and %s, by what rank %d's calls take%s (comm.timed)",
         call.label,

@@ -107,11 +107,13 @@ def agreed(rt: Any, b: Bound, limit: float) -> Bound:
     if timed is None:
         vote = local_huge(b)
     else:
+        ctrl = rt._ctrl
         if timed.leader:
             vote = timed.vote()
-            rt._ctrl[words[2]] = vote
+            if ctrl[words[2]] != vote:  # (stored only where it changes: its peers read the line at every call)
+                ctrl[words[2]] = vote
         else:  # (as the leader's times last said: comm.timed)
-            vote = rt._arena.rank_field(timed.leader_rank, layout.R_TIMED) == 1
+            vote = ctrl[timed.leader_word] == 1
         if not vote and timed.paged:
             vote = local_huge(b)
     if vote:

@@ -120,6 +120,7 @@ class Timed:
     __slots__ = (
         "leader",
         "leader_rank",
+        "leader_word",
         "paged",
         "calls",
         "estimate_ns",
@@ -132,9 +133,12 @@ class Timed:
         "since",
     )
 
-    def __init__(self, leader_rank: int, rank: int, paged: bool = False) -> None:
+    def __init__(self, leader_rank: int, rank: int, paged: bool = False, leader_word: int = -1) -> None:
         self.leader = leader_rank == rank
         self.leader_rank = leader_rank
+        # The control word where the leader writes its vote (layout.R_TIMED), which the others
+        # read at every call (-1: a Timed made without an arena, as the unit tests make).
+        self.leader_word = leader_word
         # The call shape is page-aware too: a rank whose buffers are on huge pages votes for cma
         # whatever the leader's times say (comm.pages.agreed).
         self.paged = paged
