@@ -18,21 +18,19 @@ median of each launch's ``auto`` over the faster of ``pick`` and ``cma`` in that
 
 For measuring, not for programs:
 
-- ``--from SIZE`` lowers the sizes from which a call shape may be timed (``timed.TIMED_FROM`` and
-  ``timed.PAIR_FROM``) in every rank;
+- ``--from SIZE`` lowers the sizes from which a call shape may be timed (``timed.TIMED_FROM``,
+  ``timed.PAIR_FROM`` and ``timed.BROADCAST_FROM``) in every rank;
 - ``--no-vote``: the leader never votes for cma, so ``auto - pick`` is what the timed shape costs
-  where its plan stays (the agreement's store and the leader's clock reads and bookkeeping);
-- ``--time-broadcast``: broadcast's cma registration gets an ``auto_timed`` for 3 ranks and more
-  (stop 52 measured that and did not take it).
+  where its plan stays (the agreement and the leader's clock reads and bookkeeping, at every
+  call: without cma's times the leader never makes calls without voting, ``Timed.quiet_calls``).
 
 Run: ``python benchmarks/timed_choice.py [-n 4] [-c reduce] [--sizes 256K,1M] [--launches 3]
-[--from 64K] [--no-vote] [--time-broadcast] [--json out.json]``.
+[--from 64K] [--no-vote] [--json out.json]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import platform
 import re
@@ -49,19 +47,14 @@ from shmcoll.units import format_size, parse_size
 COLLECTIVES = ("reduce", "broadcast", "allreduce")
 
 
-def _measuring(floor: int, no_vote: bool, time_broadcast: bool) -> None:
+def _measuring(floor: int, no_vote: bool) -> None:
     """This rank's changes for the measurement (see the module doc)."""
-    from shmcoll.algos import registry
     from shmcoll.comm import timed
 
     if floor:
-        timed.TIMED_FROM = timed.PAIR_FROM = floor
+        timed.TIMED_FROM = timed.PAIR_FROM = timed.BROADCAST_FROM = floor
     if no_vote:
         timed.Timed.vote = lambda self: False  # type: ignore[method-assign]
-    if time_broadcast:
-        key = ("broadcast", "cma")
-        alg = registry._REGISTRY[key]
-        registry._REGISTRY[key] = dataclasses.replace(alg, auto_timed=lambda query, size: query.world_size > 2)
 
 
 def _call(comm, collective: str, nbytes: int):  # type: ignore[no-untyped-def]
@@ -102,8 +95,8 @@ def _shape(comm, collective: str, count: int) -> Any:  # type: ignore[no-untyped
     return call
 
 
-def _worker(comm, collectives, sizes, calls, blocks, floor, no_vote, time_broadcast):  # type: ignore[no-untyped-def]
-    _measuring(floor, no_vote, time_broadcast)
+def _worker(comm, collectives, sizes, calls, blocks, floor, no_vote):  # type: ignore[no-untyped-def]
+    _measuring(floor, no_vote)
     report: dict[str, dict[str, object]] = {}
     for collective in collectives:
         for nbytes in sizes:
@@ -139,7 +132,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=6)
     ap.add_argument("--from", dest="floor", default="", help="time call shapes from this size (measuring only)")
     ap.add_argument("--no-vote", action="store_true", help="the leader never votes for cma")
-    ap.add_argument("--time-broadcast", action="store_true", help="time broadcast at 3 ranks and more")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     collectives = args.collectives.split(",")
@@ -154,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         results = shmcoll.spawn(
             _worker,
             args.nprocs,
-            args=(collectives, sizes, args.calls, args.blocks, floor, args.no_vote, args.time_broadcast),
+            args=(collectives, sizes, args.calls, args.blocks, floor, args.no_vote),
             timeout=1800,
         )
         for key, entry in results[0].items():
@@ -162,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in entry["times"]:
                 slowest = [max(r[key]["times"][name][b] for r in results) for b in range(args.blocks)]
                 per_launch.setdefault(key, {}).setdefault(name, []).append(statistics.median(slowest) * 1e6)
-    flags = " ".join(f for f, on in (("--no-vote", args.no_vote), ("--time-broadcast", args.time_broadcast)) if on)
+    flags = "--no-vote" if args.no_vote else ""
     print(
         f"# {args.nprocs} ranks, {args.launches} launches x {args.blocks} blocks of {args.calls} calls, out of place"
         f"{', timed from ' + args.floor if floor else ''}{' ' + flags if flags else ''}; "

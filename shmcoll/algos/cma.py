@@ -391,6 +391,24 @@ def _broadcast_skips(query: Query, size: int) -> bool:
 _SHARE_FROM = 64 << 10
 
 
+# Where a timed broadcast stops (comm.bind.MEMO_MAX_BYTES, which a test keeps equal): the calls a
+# program's loop makes through the lean path, whose entry agrees in compiled code.
+_BROADCAST_TIMED_UNTIL = 1 << 20
+
+
+def _broadcast_timed(query: Query, size: int) -> bool:
+    """Where ``auto`` times cma against its own pick at every call (``comm/timed.py``): every
+    broadcast of 3 ranks and more it leaves to the rings from ``comm.timed.BROADCAST_FROM`` (512
+    KiB) to 1 MiB. The rings' hand-offs are what the VM's slow launches slow down, and a broadcast
+    is all hand-offs (2-core Zen 4 VM, stop 52, 4 ranks, ``dbtree`` / cma in one launch: 512 KiB
+    390-505 against 127-160 us in slow launches, 78-88 against 98-125 in quiet ones). Not above
+    1 MiB, where a call is not remembered and agrees in Python: at 3 ranks, 2 MiB, the timed
+    shape took 1.02-1.15x ``dbtree``'s time in 6 quiet launches. (At 4 ranks on 2 cores cma is
+    ``auto``'s pick from 1 MiB: :func:`_broadcast_skips`.) At 2 ranks the root writes its share,
+    and cma is ``auto``'s pick from 128 KiB already."""
+    return query.world_size > 2 and size <= _BROADCAST_TIMED_UNTIL
+
+
 @register(
     "broadcast",
     "cma",
@@ -400,6 +418,7 @@ _SHARE_FROM = 64 << 10
     auto_from=_broadcast_from,
     auto_skip=_broadcast_skips,
     auto_huge=_on_huge_pages,
+    auto_timed=_broadcast_timed,
 )
 def broadcast(ctx: Context) -> None:
     """The root writes the first ``1/n`` of its buffer into every peer while each peer reads the

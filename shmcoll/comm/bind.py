@@ -166,8 +166,8 @@ def _make_lean(rt: Runtime, code: int, identity: tuple[Any, ...], b: Any) -> Non
         rt._lean[code] = NOT_LEAN
         return
     record = engine.record_for(call.start, b[1], b[2])
-    if call.huge is not None:  # the ranks agree on their pages first (comm.pages)
-        enter = pages.lean(rt, b, enter, record)
+    if call.huge is not None:  # the ranks agree on their pages or the leader's times first (comm.pages)
+        enter, record = pages.lean(rt, b, enter, record)
     rt._lean[code] = (*identity, enter, record.ctypes.data, b, record)
 
 

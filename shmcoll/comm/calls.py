@@ -98,6 +98,7 @@ class Call:
         "seen",
         "agreed",
         "timed",
+        "lean_agree",
     )
 
     def __init__(
@@ -150,6 +151,9 @@ class Call:
         # Where the ranks choose between this plan and ``huge`` by what their calls took instead
         # (comm.timed): this rank's timings and vote.
         self.timed: Any = None
+        # A follower's lean entry that agrees in compiled code (comm.pages.lean): what its Python
+        # side needs where the leader votes for cma (comm.pages.voted).
+        self.lean_agree: Any = None
 
 
 Bound = tuple
@@ -296,12 +300,23 @@ def prepare(
     return build(alg)
 
 
+_FROM_ROOT = frozenset({"broadcast", "scatter"})
+"""Rooted collectives whose timed choice the rank before the root leads, not the root: the root
+of a broadcast can leave a call of the rings once its data is in the slots, before its peers have
+it, and its first calls of them after cma's find the slots empty. Timed by the root, a 4-rank
+broadcast's choice went back and forth every 10-20 calls in the VM's slow launches, at 1.8-2.1x
+cma's time at 512 KiB; timed by the rank before it, 1.14-1.26x (``benchmarks/RESULTS.md``, stop
+52)."""
+
+
 def _time(
     rt: Any, call: Call, rooted: bool, root: int, alternative: registry.Algorithm, also: str, paged: bool = False
 ) -> None:
     """Make ``call`` a timed call shape (its ``huge`` plan built already: ``alternative``'s);
     ``paged``: page-aware too (``Timed.paged``)."""
     leader = root if rooted else 0
+    if call.kind in _FROM_ROOT:  # (see _FROM_ROOT)
+        leader = (root + rt.world_size - 1) % rt.world_size
     word = rt._arena.layout.rank_word(leader, layout.R_TIMED)
     call.timed = timed.Timed(leader, rt.rank, paged, word)
     rt._log.info(
@@ -324,7 +339,9 @@ def _timed_alternative(query: Query) -> registry.Algorithm | None:
     except ValueError:  # (no cma plan for this collective)
         return None
     size = call_size(query)
-    if alg.auto_timed is None or size < timed.timed_from(query.world_size) or not alg.auto_timed(query, size):
+    if alg.auto_timed is None or size < timed.timed_from(query.collective, query.world_size):
+        return None
+    if not alg.auto_timed(query, size):
         return None
     # In place is per rank, and every rank must decide alike (as select._candidates).
     flipped = dataclasses.replace(query, inplace=not query.inplace)

@@ -101,7 +101,9 @@ def agreed(rt: Any, b: Bound, limit: float) -> Bound:
     words = rt._pages_words
     if words is None:
         words = rt._pages_words = _words(rt)
-    k = rt._pages_calls = rt._pages_calls + 1
+    state = rt._state
+    k = int(state[engine.S_PAGES_CALLS]) + 1  # (counted in the engine's state: a follower's lean entry counts too)
+    state[engine.S_PAGES_CALLS] = k
     call = b[0]
     timed = call.timed
     if timed is None:
@@ -147,30 +149,86 @@ def _estimates(timed: Any) -> str:
     return f" (call {timed.calls}; estimates {own:.1f} us for its own plan, {alt:.1f} for cma)"
 
 
-def lean(rt: Any, b: Bound, enter: Any, record: np.ndarray) -> Any:
-    """The lean path's entry (``comm.bind._make_lean``) for a remembered call ``b`` of a call
-    shape whose ranks agree on their pages: it agrees, then enters the engine through ``enter``
-    with ``record`` or the huge-page plan's, and carries the call to its end itself (it returns
-    OK or raises). Not for started operations: their first run must not wait (``Runtime._start``
-    leaves such calls to the run loop)."""
-    huge = engine.record_for(b[0].huge.start, b[1], b[2])
-    addresses = (record.ctypes.data, huge.ctypes.data)
+def lean(rt: Any, b: Bound, enter: Any, record: np.ndarray) -> tuple[Any, np.ndarray]:
+    """The lean path's entry and record (``comm.bind._make_lean``) for a remembered call ``b``
+    of a call shape whose ranks agree on their pages or their leader's times. Not for started
+    operations: their first run must not wait (``Runtime._start`` leaves such calls to the run
+    loop).
 
-    timed = b[0].timed if b[0].timed is not None and b[0].timed.leader else None
+    A timed call shape that is not page-aware gets ``enter`` itself, with a record whose entry
+    makes the agreement first (``engine.RC_AGREE``): where the leader's vote is not for cma,
+    which is at almost every call, a follower's call never leaves compiled code, nor do the
+    leader's calls between those it votes on and times (``Timed.quiet_calls``). Where the leader
+    votes for cma, or has a call to vote on, the entry returns ``VOTE`` and :func:`voted` carries
+    the call on in Python. (With the agreement in Python, a timed shape's 64 KiB reduce at 4 ranks
+    on 2 cores took 4.8 us longer than its plan named, 5.9 at 256 KiB; its followers in compiled
+    code, 1.8 and 5.1; every rank, 0.4 and 0.3: a rank a little late at a call's start makes its
+    peers' waits yield and sleep. ``benchmarks/RESULTS.md``, stop 52.)
+
+    A shape that is page-aware too is timed so where this rank's buffers are known for good not
+    to be on huge pages (its vote is then the leader's alone); any other page-aware shape gets a
+    function that agrees, then enters the engine through ``enter``
+    with ``record`` or the huge-page plan's, and carries the call to its end itself (it returns
+    OK or raises), with the record."""
+    call = b[0]
+    huge = engine.record_for(call.huge.start, b[1], b[2])
+    timed = call.timed
+    if timed is not None and (not timed.paged or _settled_small(b)):
+        words = rt._pages_words
+        if words is None:
+            words = rt._pages_words = _words(rt)
+        (word, waiters), ctrl = words[0], rt._ctrl
+        agree = engine.agreement(ctrl, word, waiters, timed.leader_word, timed.leader)
+        agreeing = engine.record_for(call.start, b[1], b[2], agree=agree)
+        # (what voted needs; the records and the agreement stay alive with the call shape)
+        call.lean_agree = (b, enter, record.ctypes.data, huge.ctypes.data, agree, (record, huge, agreeing))
+        return enter, agreeing
+    addresses = (record.ctypes.data, huge.ctypes.data)
+    leading = timed if timed is not None and timed.leader else None  # (a page-aware shape timed too)
 
     def run(_address: int) -> int:
-        if timed is not None:
+        if leading is not None:
             t0 = time.perf_counter_ns()
         chosen = agreed(rt, b, rt._timeout)
         st = enter(addresses[chosen is not b])
         if st != engine.OK:
             rt._wait_or_raise(st, chosen[0], b[1], b[2], rt._timeout)
-        if timed is not None:
-            timed.took(time.perf_counter_ns() - t0)
+        if leading is not None:
+            leading.took(time.perf_counter_ns() - t0)
         return engine.OK  # type: ignore[no-any-return]
 
     run.records = (record, huge)  # type: ignore[attr-defined]  # (alive as long as the entry)
-    return run
+    return run, record
+
+
+def _settled_small(b: Bound) -> bool:
+    """Whether the buffers of ``b`` are known for good not to be mostly on huge pages
+    (:func:`local_huge`, remembered in ``Call.seen`` once all their pages are present)."""
+    seen = b[0].seen
+    return not local_huge(b) and seen is not None and _same(seen[0], b[6]) and _same(seen[1], b[4])
+
+
+def voted(rt: Any, call: Any, limit: float) -> tuple[int, Any, np.ndarray, np.ndarray]:
+    """After a timed shape's lean entry returned ``VOTE`` for ``call`` (see :func:`lean`): agree
+    in Python and run the plan agreed on. On a follower: (its status, the call shape run, its
+    engine arrays), which ``Runtime._wait_or_raise`` carries on with. On the leader, the call is
+    voted on and timed from before its vote to its end, which this function waits for (OK, then
+    the same); then it says how many calls its entry may make next without it."""
+    b, enter, own, huge, agree, _ = call.lean_agree
+    timed = call.timed
+    if not timed.leader:
+        chosen = agreed(rt, b, limit)
+        return enter(huge if chosen is not b else own), chosen[0], chosen[1], chosen[2]
+    t0 = time.perf_counter_ns()
+    # (the calls made in compiled code since its last vote: see Timed.quiet_calls)
+    timed.calls += timed.quiet - int(agree[engine.AG_SKIP])
+    chosen = agreed(rt, b, limit)
+    st = enter(huge if chosen is not b else own)
+    if st != engine.OK:
+        rt._wait_or_raise(st, chosen[0], b[1], b[2], limit)
+    timed.took(time.perf_counter_ns() - t0)
+    timed.quiet = agree[engine.AG_SKIP] = timed.quiet_calls()
+    return engine.OK, chosen[0], chosen[1], chosen[2]
 
 
 def _words(rt: Any) -> tuple[tuple[int, int], np.ndarray, int]:
@@ -230,7 +288,8 @@ def _check(rt: Any, b: Bound, peer: int, waited: float, limit: float) -> None:
     if 0 <= peer < rt._world_size and a.rank_field(peer, layout.R_STATE) == layout.STATE_IN_CALL:
         their_seq = a.rank_field(peer, layout.R_CUR_SEQ)
         # In this call's number without having said its pages for it: another call.
-        if their_seq == failures.next_seq(rt, call) and a.rank_field(peer, layout.R_PAGES) < 2 * rt._pages_calls:
+        k = int(rt._state[engine.S_PAGES_CALLS])
+        if their_seq == failures.next_seq(rt, call) and a.rank_field(peer, layout.R_PAGES) < 2 * k:
             failures.fail_mismatch_at_entry(rt, call, peer, a.rank_field(peer, layout.R_CUR_SIG))
     if waited > limit:
         failures.fail_timeout(rt, call, limit)

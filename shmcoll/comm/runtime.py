@@ -133,7 +133,6 @@ class Runtime:
         self._groups: int | None = None
         self._groups_agreed = False
         self._cma_crossover: int | None = None  # agreed by the ranks (calls.cma_crossover), once needed
-        self._pages_calls = 0  # calls whose choice hinged on the ranks' pages (comm.pages)
         self._pages_words: Any = None  # the arena words comm.pages publishes and waits on
         self._progress: Queue | None = None  # started operations (created by the first one)
         self._p2p: Any = None  # point-to-point state (comm.p2p, created by the first message)
@@ -513,6 +512,10 @@ class Runtime:
         """
         if st == engine.BUSY:
             raise ConcurrentCallError(self._concurrent_message(call.label))
+        if st == engine.VOTE:  # a follower's lean entry found the leader's vote for cma (comm.pages.lean)
+            st, call, inp, res = pages.voted(self, call, limit)
+            if st == engine.OK:
+                return
         started = last = time.monotonic() - _SLICE_NS / 1e9
         try:
             while st != engine.OK:

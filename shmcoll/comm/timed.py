@@ -12,9 +12,10 @@ or the other. So where ``auto``'s pick is not ``cma`` and cma's registration say
 shape may be timed (``Algorithm.auto_timed``), the call shape carries both plans (``Call.huge``:
 the plan every rank runs where every rank votes for it) and a :class:`Timed` per rank.
 
-One rank times the calls and decides, the *leader* (the root of a rooted collective, else rank
-0): the root of a reduce is the rank that waits for the whole call, where its peers may leave
-early. It times each call from before its vote to the engine's return, not what the program does
+One rank times the calls and decides, the *leader* (the root of a reduce, the rank before the
+root of a broadcast, else rank 0): the root of a reduce is the rank that waits for the whole
+call, where its peers may leave early, and a broadcast's root is the one that may leave early
+(``calls._FROM_ROOT``). It times each call from before its vote to the engine's return, not what the program does
 between calls. (Timed from one call's start to the next's, a benchmark's barriers and the other
 algorithms it times in turn landed in the times and made them a coin toss: cma ran at 1.6x the
 rings' time for 9 calls in a row in quiet launches.)
@@ -42,9 +43,14 @@ vote by its own times: a reduce's ranks take different times (a leaf of ``dbtree
 the votes disagreed at 4 ranks on up to 90% of the calls, and the rings then ran with the ranks
 waiting for each other's votes.)
 
-What it costs: two clock reads and the vote (about 1-2 us in Python, off the lean path), which is
-why only calls from :data:`TIMED_FROM` bytes are timed (:data:`PAIR_FROM` at 2 ranks); the first
-calls of cma, where it is the slower; and in a quiet launch 3 calls of cma of every 512. Asking for
+What it costs: on a call a program's loop repeats (the lean path, calls of up to 1 MiB), the
+agreement is made in the engine's entry (``comm.pages.lean``), and the leader votes and times one
+call in :data:`SAMPLE` while its plan runs (:meth:`Timed.quiet_calls`); elsewhere, two clock reads,
+the vote and the agreement in Python at every call (about 1-2 us, more where ranks outnumber cores:
+a rank late at a call's start makes its peers' waits yield and sleep), which is why only calls
+from :data:`TIMED_FROM` bytes are timed (:data:`PAIR_FROM` at 2 ranks, :data:`BROADCAST_FROM`
+for a broadcast, which the lean path keeps); the first calls of cma, where it is the slower; and
+in a quiet launch 3 calls of cma of every 512. Asking for
 an algorithm by name, or setting ``SHMCOLL_ALGO``, turns it off; ``SHMCOLL_DEBUG=INFO`` logs each
 change of plan. The leader's vote is one word, which every timed call shape writes, so where two
 timed shapes take turns, the other ranks may read the leader's vote on the other shape: the calls
@@ -76,8 +82,22 @@ to 16 MiB alike), and 1 MiB is where ``auto``'s 2-rank reduce already looks at t
 pages, so the two choices share one agreement (``Timed.paged``)."""
 
 
-def timed_from(world_size: int) -> int:
-    """Bytes from which a call shape of ``world_size`` ranks may be timed."""
+BROADCAST_FROM = 512 << 10
+"""Bytes from which a broadcast may be timed (3 ranks and more: ``algos.cma``'s
+``_broadcast_timed``). A broadcast's rings lose more in the VM's slow launches than a
+reduction's, and from smaller calls (2-core Zen 4 VM, stop 52, 4 ranks, ``dbtree`` / cma in one
+launch, 3 slow launches of 8: 256 KiB 203-212 against 77-90 us, 512 KiB 390-505 against 127-160;
+in the 5 quiet ones 44-57 against 56-87, 78-88 against 98-125). At 512 KiB the timed shape ran
+at 0.96-1.05x ``dbtree``'s time in 7 quiet launches at 4 ranks and 0.41-0.69x in 5 slow ones (3
+ranks: 0.74-1.05 quiet, 0.46 in the slow one; 1 MiB 0.94-1.05 and 0.57); at 256 KiB it did not
+gain in slow launches (its calls of cma wait for every rank's vote, a sync more than cma named:
+192-229 us against ``dbtree``'s 188-246 and cma's 101-151)."""
+
+
+def timed_from(collective: str, world_size: int) -> int:
+    """Bytes from which a call shape of ``collective`` at ``world_size`` ranks may be timed."""
+    if collective == "broadcast":
+        return BROADCAST_FROM
     return PAIR_FROM if world_size == 2 else TIMED_FROM
 
 
@@ -110,6 +130,11 @@ PROBE_CALLS = (16, 256, 512)
 """Every how many calls the plan not being run is timed again: while cma runs, first (doubling
 up to the second as long as a probe finds cma still faster); while the other runs, the third."""
 
+SAMPLE = 4
+"""While the shape's own plan runs and no probe is due, the leader votes and times one call in
+this many; the others run from compiled code, as on the other ranks (``comm.pages.lean``:
+Python's part of a call is most of what a timed shape costs where its plan stays)."""
+
 
 class Timed:
     """One rank's part in the timed choice of a call shape (see the module doc): on the leader
@@ -121,6 +146,8 @@ class Timed:
         "leader",
         "leader_rank",
         "leader_word",
+        "quiet",
+        "last_vote",
         "paged",
         "calls",
         "estimate_ns",
@@ -139,6 +166,8 @@ class Timed:
         # The control word where the leader writes its vote (layout.R_TIMED), which the others
         # read at every call (-1: a Timed made without an arena, as the unit tests make).
         self.leader_word = leader_word
+        self.quiet = 0  # calls the leader's lean entry was last let make without voting (quiet_calls)
+        self.last_vote = False  # (its vote at its last call: its vote word says so until its next vote)
         # The call shape is page-aware too: a rank whose buffers are on huge pages votes for cma
         # whatever the leader's times say (comm.pages.agreed).
         self.paged = paged
@@ -154,6 +183,10 @@ class Timed:
 
     def vote(self) -> bool:
         """The leader's vote for the other plan at its next call of the shape."""
+        self.last_vote = vote = self._vote()
+        return vote
+
+    def _vote(self) -> bool:
         self.calls = c = self.calls + 1
         if c <= FIRST_CALLS:
             return False
@@ -171,6 +204,17 @@ class Timed:
             self.probe_every = min(2 * every, PROBE_CALLS[1])
         self.probing = phase < PROBE_LEN
         return self.on_alt != self.probing
+
+    def quiet_calls(self) -> int:
+        """How many of the next calls surely run the shape's own plan and need not be voted on
+        or timed (at most ``SAMPLE - 1``; none while cma runs or a probe does, before both plans
+        are timed, nor past the call before the next probe): the leader makes them without its
+        Python side, and adds them to :attr:`calls` before its next vote."""
+        if self.on_alt or self.probing or self.last_vote or self.counted[1] < WARM_CALLS or not self.estimate_ns[0]:
+            return 0
+        every = PROBE_CALLS[2]
+        to_probe = every - (self.calls - self.since) % every  # (calls from now to the next probe's first)
+        return max(0, min(SAMPLE, to_probe) - 1)
 
     def ran(self, alt: bool) -> None:
         """Which plan the ranks agreed on for the call just voted on."""

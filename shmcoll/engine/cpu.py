@@ -170,6 +170,7 @@ BUSY = 4  # another thread is in a call on this communicator: nothing was done
 PEER_DEAD = 5  # a peer's liveness word says it died (S_ERR_PEER): nothing was done
 READ_FAILED = 6  # cross-memory attach could not read or write a peer's buffer (S_ERR_PEER, S_ERR_STEP)
 NOT_EVERY = 7  # agree_pages: a rank's buffers are not on huge pages (comm.pages)
+VOTE = 8  # entry_at's agreement: the leader of a timed call shape voted for cma (comm.pages.voted): nothing was done
 
 # Engine state: one int64 array per communicator, written by Python at set-up and by the engine.
 (
@@ -206,7 +207,8 @@ NOT_EVERY = 7  # agree_pages: a rank's buffers are not on huge pages (comm.pages
     S_NESTED,
     S_SPIN_CUR,
     S_TRY,
-) = range(33)
+    S_PAGES_CALLS,  # the communicator's calls whose choice hinged on pages or times (comm.pages: their k)
+) = range(34)
 STATE_WORDS = 40  # (room for a few more)
 MIN_SPIN_NS = 1000  # the least an adapted spin lasts (see the module doc)
 SWITCHED_NS = 5000  # a sched_yield longer than this ran another task (one that ran none: < 1 us)
@@ -571,23 +573,65 @@ def execute(handles, inp, out):  # type: ignore[no-untyped-def]
 
 
 # The record :func:`entry_at`'s entry points take: the address of the call's handles, then its
-# buffers', then whether the run only tries (RC_TRY: 1 sets S_TRY for the run).
-(RC_HANDLES, RC_INP, RC_INP_LEN, RC_OUT, RC_OUT_LEN, RC_TRY) = range(6)
-RECORD_WORDS = 6
+# buffers', whether the run only tries (RC_TRY: 1 sets S_TRY for the run), and the address of
+# an agreement to make first (RC_AGREE: 0 for none).
+(RC_HANDLES, RC_INP, RC_INP_LEN, RC_OUT, RC_OUT_LEN, RC_TRY, RC_AGREE) = range(7)
+RECORD_WORDS = 7
+
+# A rank's side of a timed call shape's agreement (comm.pages.lean), which its record's entry
+# makes before the call: the control words' address and number, this rank's agreement word and
+# its waiters' word, the word where the shape's leader writes its vote (layout.R_TIMED), and on
+# the leader the calls it may still make without its Python side (AG_SKIP; -1 elsewhere).
+(AG_CTRL, AG_CTRL_LEN, AG_WORD, AG_WAITERS, AG_VOTE, AG_SKIP) = range(6)
+AGREE_WORDS = 6
 
 
-def record_for(handles, inp, out, *, trying: bool = False):  # type: ignore[no-untyped-def]
+def record_for(handles, inp, out, *, trying: bool = False, agree=None):  # type: ignore[no-untyped-def]
     """The record :func:`entry_at`'s entry points take for these arrays (which the caller must keep alive).
 
     ``trying``: the run returns ``WAITING`` at the first wait that outlasts ``TRY_SPIN_NS`` of
     spinning, instead of yielding or sleeping (a started operation's first run:
-    ``requests.Queue._admit``)."""
+    ``requests.Queue._admit``). ``agree``: an :func:`agreement` the entry makes first (the
+    caller keeps it alive too)."""
     r = np.zeros(RECORD_WORDS, np.int64)
     r[RC_HANDLES] = handles.ctypes.data
     r[RC_INP], r[RC_INP_LEN] = inp.ctypes.data, inp.shape[0]
     r[RC_OUT], r[RC_OUT_LEN] = out.ctypes.data, out.shape[0]
     r[RC_TRY] = int(trying)
+    r[RC_AGREE] = 0 if agree is None else agree.ctypes.data
     return r
+
+
+def agreement(ctrl, word, waiters, vote, leader):  # type: ignore[no-untyped-def]
+    """The words of a rank's agreement for :func:`record_for` (``AG_*``): ``ctrl`` the control
+    words, ``word`` and ``waiters`` this rank's agreement word and its waiters' word, ``vote``
+    the leader's vote word; ``leader``: this rank leads (its first call goes to Python)."""
+    a = np.zeros(AGREE_WORDS, np.int64)
+    a[AG_CTRL], a[AG_CTRL_LEN] = ctrl.ctypes.data, ctrl.shape[0]
+    a[AG_WORD], a[AG_WAITERS], a[AG_VOTE] = word, waiters, vote
+    a[AG_SKIP] = 0 if leader else -1
+    return a
+
+
+@jit
+def _agree(address, state):  # type: ignore[no-untyped-def]
+    """A rank's agreement on a timed call shape's next call (``RC_AGREE``), in the entry: where
+    the leader's vote is for cma, or this rank leads and has no call left to make without its
+    Python side (``AG_SKIP``), VOTE (nothing done: ``comm.pages.voted`` agrees in Python, and
+    may wait); else this rank says "not cma" for the call, as ``comm.pages.agreed`` would (its
+    ``k``-th such call: ``2k``), and OK. Python's agreement and this one count the calls in the
+    same word (``S_PAGES_CALLS``)."""
+    ag = carray(address_as_pointer(address, _WORDS), AGREE_WORDS)
+    ctrl = carray(address_as_pointer(ag[AG_CTRL], _WORDS), ag[AG_CTRL_LEN])
+    skip = ag[AG_SKIP]
+    if skip == 0 or load_acquire(ctrl, ag[AG_VOTE]) == 1:
+        return VOTE
+    if skip > 0:
+        ag[AG_SKIP] = skip - 1
+    k = state[S_PAGES_CALLS] + 1
+    state[S_PAGES_CALLS] = k
+    _publish(ctrl, ag[AG_WORD], 2 * k, ag[AG_WAITERS])
+    return OK
 
 
 def entry_at(dtype):  # type: ignore[no-untyped-def]
@@ -611,6 +655,10 @@ def entry_at(dtype):  # type: ignore[no-untyped-def]
         handles = carray(address_as_pointer(rec[RC_HANDLES], _WORDS), HANDLE_WORDS)
         inp = carray(address_as_pointer(rec[RC_INP], scalar), rec[RC_INP_LEN])
         out = carray(address_as_pointer(rec[RC_OUT], scalar), rec[RC_OUT_LEN])
+        if rec[RC_AGREE] != 0:
+            st = _agree(rec[RC_AGREE], carray(address_as_pointer(handles[H_STATE], _WORDS), handles[H_STATE_LEN]))
+            if st != OK:
+                return st
         if rec[RC_TRY] == 0:
             return execute(handles, inp, out)
         state = carray(address_as_pointer(handles[H_STATE], _WORDS), handles[H_STATE_LEN])

@@ -13,8 +13,22 @@ import numpy as np
 import pytest
 from harness import run_ranks
 
-from shmcoll.comm.timed import EXPLORE_CALLS, FIRST_CALLS, PAIR_FROM, PROBE_CALLS, PROBE_LEN, TIMED_FROM, WARM_CALLS
-from shmcoll.shm import cma, pages
+from shmcoll.algos.registry import ALGORITHM_NAMES
+from shmcoll.comm.bind import MEMO_MAX_BYTES
+from shmcoll.comm.timed import (
+    BROADCAST_FROM,
+    EXPLORE_CALLS,
+    FIRST_CALLS,
+    PAIR_FROM,
+    PROBE_CALLS,
+    PROBE_LEN,
+    SAMPLE,
+    TIMED_FROM,
+    WARM_CALLS,
+)
+from shmcoll.engine import cpu as engine
+from shmcoll.plan import ir
+from shmcoll.shm import cma, layout, pages
 
 permitted = pytest.mark.skipif(not cma.probe()[0], reason=f"cross-memory attach {cma.probe()[1]}")
 
@@ -56,7 +70,8 @@ def _follows(comm, slow_first: list[str], calls: tuple[int, int], count: int = C
     """``calls[0]`` reduces of ``count`` elements (on pages ``on``, or ``on[rank]``) in which this rank's calls of
     ``slow_first[rank]`` ("own", "cma" or "") count 20 times what they took, then ``calls[1]`` in
     which the other plan's do: the plans run, whether every result was exact, the algorithm auto
-    picked, and whether the call shape was page-aware too."""
+    picked, and whether the call shape was page-aware too. (The plan run is read from the rank's
+    record after each call: a remembered call's agreement may run in compiled code.)"""
     r, n = comm.rank, comm.world_size
     kind = on[r] if isinstance(on, list) else on
     x = pages.array(count, np.float32, kind)
@@ -66,7 +81,8 @@ def _follows(comm, slow_first: list[str], calls: tuple[int, int], count: int = C
     scale = {"own": 1.0, "cma": 1.0}
     slow = slow_first[r]
     exact = True
-    with _scaled(scale) as ran:
+    ran = []
+    with _scaled(scale):
         for phase, count in enumerate(calls):
             if slow:
                 other = "cma" if slow == "own" else "own"
@@ -75,8 +91,15 @@ def _follows(comm, slow_first: list[str], calls: tuple[int, int], count: int = C
                 out[...] = -1
                 got = comm.reduce(x, 0, out=out if r == 0 else None)
                 exact &= r != 0 or bool(np.array_equal(got, expected))
+                ran.append(_plan_run(comm))
     shape = next(c for c in comm._calls.values() if getattr(c, "timed", None) is not None)
     return ran, exact, shape.label, shape.timed.paged
+
+
+def _plan_run(comm) -> str:  # type: ignore[no-untyped-def]
+    """Which plan this rank's last call ran ("cma" or "own"), from its rank record."""
+    sig = comm._arena.rank_field(comm.rank, layout.R_DONE_SIG)
+    return "cma" if "algorithm=cma" in ir.describe_sig(sig, ALGORITHM_NAMES) else "own"
 
 
 @permitted
@@ -149,6 +172,112 @@ def test_a_pair_on_mixed_pages_follows_the_leaders_times_alone(kinds: list[str])
         assert all(r[0] == ran for r in results) and all(r[1] for r in results)
         late = ran[explored:]
         assert late.count(wanted) >= len(late) - 4 * PROBE_LEN, (slow, late)
+
+
+LEAN_COUNT = MEMO_MAX_BYTES // 4 // 4  # float32: a call the lean path remembers (256 KiB)
+
+
+def _lean_follows(comm, calls: tuple[int, int], collective: str = "reduce", root: int = 0):  # type: ignore[no-untyped-def]
+    """As :func:`_follows`, on a call the lean path remembers (a reduce of 256 KiB, the timed
+    floor lowered in this rank to its size; a broadcast of 1 MiB), the rings' calls counting 20
+    times what they took on the leader, then cma's: per call, the plan this rank ran (read from
+    its rank record, not from the agreement, which the lean entry makes in compiled code) and
+    whether its agreement ran in Python; whether every result was exact, and the leader's count
+    of the shape's calls (0 elsewhere)."""
+    from shmcoll.comm import timed
+
+    timed.TIMED_FROM = LEAN_COUNT * 4
+    r, n = comm.rank, comm.world_size
+    if collective == "reduce":
+        count = LEAN_COUNT
+        x = (np.arange(count, dtype=np.float32) % 1000) + r
+        out = np.empty(count, np.float32)
+        expected = _expected(n, count)
+
+        def call() -> bool:
+            got = comm.reduce(x, root, out=out if r == root else None)
+            return r != root or bool(np.array_equal(got, expected))
+    else:  # (on 4 KiB pages: a call shape of 1 MiB is page-aware too)
+        count = MEMO_MAX_BYTES // 4
+        expected = (np.arange(count, dtype=np.float32) % 1000) + root
+        x = pages.array(count, np.float32, "small")
+        x[...] = expected if r == root else -1.0
+
+        def call() -> bool:
+            if r != root:
+                x[...] = -1.0
+            return bool(np.array_equal(comm.broadcast(x, root=root), expected))
+
+    scale = {"own": 1.0, "cma": 1.0}
+    plans: list[str] = []
+    in_python: list[bool] = []
+    exact = True
+    with _scaled(scale) as ran:
+        for phase, count in enumerate(calls):
+            scale["own"], scale["cma"] = (20.0, 1.0) if phase == 0 else (1.0, 20.0)
+            for _ in range(count):
+                before = len(ran)
+                exact &= call()
+                plans.append(_plan_run(comm))
+                in_python.append(len(ran) > before)
+    shape = next(c for c in comm._calls.values() if getattr(c, "timed", None) is not None)
+    made = 0
+    if shape.timed.leader:  # (and the calls its entry has made since the leader's last vote)
+        made = shape.timed.calls + shape.timed.quiet - int(shape.lean_agree[4][engine.AG_SKIP])
+    return plans, in_python, exact, made, shape.timed.leader
+
+
+@permitted
+@pytest.mark.parametrize(("collective", "root"), [("reduce", 0), ("broadcast", 0), ("broadcast", 2)])
+def test_a_remembered_timed_call_agrees_in_compiled_code(collective: str, root: int) -> None:
+    """A timed call the lean path remembers: the followers agree in the engine's entry, and the
+    leader (a reduce's root, the rank before a broadcast's root) votes and times one call in
+    ``SAMPLE`` while its own plan runs (and every call while cma does); every rank still runs
+    the same plan at every call, and the leader follows its times both ways."""
+    calls = (96, PROBE_CALLS[1] + 64)
+    results = run_ranks(_lean_follows, 3, calls, collective, root, timeout=120)
+    leader = root if collective == "reduce" else (root + 2) % 3
+    assert [r[4] for r in results] == [rank == leader for rank in range(3)]
+    plans = results[0][0]
+    assert all(r[0] == plans for r in results), "the ranks ran different plans"
+    assert all(r[2] for r in results)
+    assert results[leader][3] == sum(calls)  # (the leader counted the calls its entry made alone)
+    # (a probe of the rings lasts a call longer than the leader asks: at the call after it, the
+    # followers' entries read the leader's word before its vote for cma is there)
+    slow_phase = plans[FIRST_CALLS + WARM_CALLS + 8 : calls[0]]
+    assert slow_phase.count("own") <= 4 * (PROBE_LEN + 1), slow_phase
+    tail = plans[calls[0] + PROBE_CALLS[1] :]
+    assert tail.count("own") >= len(tail) - PROBE_LEN, tail
+    # Where the rings run again: the followers' agreement in Python only where the leader asked
+    # for cma (a probe), the leader's at one call in SAMPLE (and the probe's).
+    end = slice(calls[0] + 64, None)
+    for rank, r in enumerate(results):
+        python = sum(r[1][end])
+        quiet = len(r[1][end])
+        if rank == leader:
+            assert quiet // SAMPLE - 1 <= python <= quiet // SAMPLE + 2 * PROBE_LEN + 2, (python, quiet)
+        else:
+            assert python <= 2 * PROBE_LEN + 2, (rank, python, quiet)
+
+
+def _broadcast_shapes(comm) -> list[bool]:  # type: ignore[no-untyped-def]
+    """Which broadcasts get a timed call shape: auto's from ``BROADCAST_FROM`` to the largest call
+    remembered, below and above them, and one that names its algorithm."""
+    for count in (BROADCAST_FROM // 4, MEMO_MAX_BYTES // 4, BROADCAST_FROM // 8, 2 * MEMO_MAX_BYTES // 4):
+        comm.broadcast(np.ones(count, np.float32), root=1)
+    comm.broadcast(np.ones(BROADCAST_FROM // 4, np.float32), root=1, algorithm="dbtree")
+    return [c.timed is not None for c in comm._calls.values() if c.kind == "broadcast"]
+
+
+@permitted
+def test_broadcasts_are_timed_from_broadcast_from_to_the_largest_call_remembered() -> None:
+    from shmcoll.algos import cma as cma_plans
+
+    assert cma_plans._BROADCAST_TIMED_UNTIL == MEMO_MAX_BYTES
+    for found in run_ranks(_broadcast_shapes, 3, timeout=120):
+        assert found == [True, True, False, False, False], found
+    for found in run_ranks(_broadcast_shapes, 2, timeout=120):  # (cma is a pair's pick from 128 KiB)
+        assert not any(found), found
 
 
 def _pair_shapes(comm) -> list[tuple[str, bool]]:  # type: ignore[no-untyped-def]

@@ -106,3 +106,37 @@ def test_cma_is_asked_for_a_while_when_the_calls_do_not_run_it() -> None:
 
 def test_only_the_leader_times() -> None:
     assert Timed(2, 2).leader and not Timed(2, 0).leader
+
+
+def _quiet_run(lead: Leader, calls: int, own_us: float, alt_us: float) -> list[bool | None]:
+    """As ``Leader.run``, with the calls ``Timed.quiet_calls`` lets the leader make without voting
+    made so (None: no vote, untimed, the shape's own plan), as ``comm.pages.voted`` does."""
+    votes: list[bool | None] = []
+    while len(votes) < calls:
+        votes += lead.run(1, own_us, alt_us)
+        quiet = min(lead.t.quiet_calls(), calls - len(votes))
+        lead.t.calls += quiet
+        votes += [None] * quiet
+    return votes
+
+
+def test_quiet_calls_sample_the_own_plan_and_stop_before_each_probe() -> None:
+    from shmcoll.comm.timed import SAMPLE
+
+    lead = Leader()
+    assert lead.t.quiet_calls() == 0  # (nothing timed yet)
+    votes = _quiet_run(lead, START, 200, 300)
+    assert None not in votes  # (the first calls and cma's warm calls are all timed)
+    votes = _quiet_run(lead, 2 * PROBE_CALLS[2], 200, 300)
+    # One call in SAMPLE is voted on and timed while the rings run; the probes of cma come at the
+    # calls they would without the quiet calls, every PROBE_CALLS[2] calls.
+    first = START + 1
+    probes = [c + k for c in (PROBE_CALLS[2], 2 * PROBE_CALLS[2]) for k in range(PROBE_LEN)]
+    assert _numbers(first, votes, True) == probes
+    voted = [i for i, v in enumerate(votes) if v is not None]
+    assert len(voted) <= len(votes) // SAMPLE + 2 * (PROBE_LEN + SAMPLE)
+    assert max(b - a for a, b in zip(voted, voted[1:], strict=False)) == SAMPLE
+    # The rings slow down: seen at a sampled call, then cma every call, each voted on.
+    votes = _quiet_run(lead, 64, 900, 300)
+    assert None not in votes[-16:] and votes[-16:].count(True) >= 16 - PROBE_LEN
+    assert lead.t.on_alt and lead.t.quiet_calls() == 0
