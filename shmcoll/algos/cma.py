@@ -768,8 +768,8 @@ def _reduce_skips(query: Query, size: int) -> bool:
 
 def _reduce_timed(query: Query, size: int) -> bool:
     """Where ``auto`` times cma against its own pick at every call (``comm/timed.py``): every
-    reduce it leaves to the rings from ``comm.timed.timed_from`` on (4 MiB; 1 MiB at 2 ranks,
-    where the shape looks at the ranks' pages too). Which is faster turns with
+    reduce it leaves to the rings from ``comm.timed.timed_from`` on (4 MiB; 256 KiB at 2 ranks,
+    where from 1 MiB the shape looks at the ranks' pages too). Which is faster turns with
     the cores' spells more than with the size or the ranks (2-core Zen 4 VM, stop 50: calls of
     ``auto``'s pick and of cma taking turns in one launch, ``benchmarks/RESULTS.md``): cma's time
     over the other's 1.28-1.47 at 2 ranks and 512 KiB-8 MiB, 1.28-2.20 at 3 ranks and 1.32-1.83

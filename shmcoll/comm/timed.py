@@ -74,12 +74,17 @@ costs more than its vote's microseconds, by a share that falls with the size (2-
 loop of calls (10 us of 125), more in ``shmcoll bench`` (1.2x and worse), 1-9% at 4 MiB. The
 cause of most of it was not found (stop 45 met the same with a choice like this one)."""
 
-PAIR_FROM = 1 << 20
+PAIR_FROM = 256 << 10
 """Bytes from which a call shape of 2 ranks may be timed. There the rings lose most in the slow
 spells (2-core Zen 4 VM, stop 51: a side-by-side run's 2-rank reduce took 470-570 us at 1 MiB in
 all three of its launches, against Open MPI's 107-135 and its own 120 in quiet launches, 8 KiB
-to 16 MiB alike), and 1 MiB is where ``auto``'s 2-rank reduce already looks at the ranks'
-pages, so the two choices share one agreement (``Timed.paged``)."""
+to 16 MiB alike); from 1 MiB, where ``auto``'s 2-rank reduce also looks at the ranks' pages, the
+two choices share one agreement (``Timed.paged``). From 256 KiB since stop 52, where a call the
+lean path remembers agrees in compiled code (``benchmarks/timed_choice.py -n 2 --from 256K``, 10
+launches): ``auto`` over ``direct`` 0.86-1.02 at 256 KiB and 0.92-1.03 at 512 KiB in the 7 quiet
+launches, 0.30-0.36 and 0.27-0.34 in the 3 slow ones (cma's time, 1.0-1.2x and 1.15-1.55x).
+Not below: at 64 KiB a launch in which the rings were quicker than usual (4.1 us a call against
+8) had ``auto`` at 1.32x their time."""
 
 
 BROADCAST_FROM = 512 << 10

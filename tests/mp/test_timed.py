@@ -34,6 +34,7 @@ permitted = pytest.mark.skipif(not cma.probe()[0], reason=f"cross-memory attach 
 
 COUNT = TIMED_FROM // 4  # float32: the smallest timed call
 PAIR_COUNT = PAIR_FROM // 4  # the same at 2 ranks
+PAGED_PAIR_COUNT = (1 << 20) // 4  # a 2-rank reduce page-aware too (cma.huge_from)
 
 
 @contextlib.contextmanager
@@ -125,10 +126,10 @@ def test_every_rank_runs_cma_while_the_rings_are_slower_and_the_rings_again_afte
 
 @permitted
 def test_a_pair_runs_cma_while_the_rings_are_slower_on_ordinary_pages() -> None:
-    """At 2 ranks from ``PAIR_FROM``, where the call shape looks at the ranks' pages too: on
-    numpy's pages the leader's times decide, as at 3 ranks."""
+    """At 2 ranks from 1 MiB, where the call shape looks at the ranks' pages too: on 4 KiB pages
+    the leader's times decide, as at 3 ranks."""
     calls = (96, PROBE_CALLS[1] + 64)
-    results = run_ranks(_follows, 2, ["own"] * 2, calls, PAIR_COUNT, "small", timeout=120)
+    results = run_ranks(_follows, 2, ["own"] * 2, calls, PAGED_PAIR_COUNT, "small", timeout=120)
     ran = results[0][0]
     assert all(r[0] == ran for r in results), "the ranks ran different plans"
     assert all(r[1] for r in results)
@@ -151,7 +152,7 @@ huge_pages = pytest.mark.skipif(
 def test_a_pair_on_huge_pages_runs_cma_whatever_the_times_say() -> None:
     """Where every rank's buffers are on huge pages, cma runs at every call, as it did before the
     shape was timed, even where the leader's times make cma look 20x slower."""
-    results = run_ranks(_follows, 2, ["cma"] * 2, (40, 0), PAIR_COUNT, "huge", timeout=120)
+    results = run_ranks(_follows, 2, ["cma"] * 2, (40, 0), PAGED_PAIR_COUNT, "huge", timeout=120)
     ran = results[0][0]
     assert all(r[0] == ran for r in results) and all(r[1] for r in results)
     assert all(r[3] for r in results)
@@ -167,7 +168,7 @@ def test_a_pair_on_mixed_pages_follows_the_leaders_times_alone(kinds: list[str])
     pages is not read as a vote by its times."""
     explored = FIRST_CALLS + EXPLORE_CALLS + 2
     for slow, wanted in (("cma", "own"), ("own", "cma")):
-        results = run_ranks(_follows, 2, [slow] * 2, (64, 0), PAIR_COUNT, kinds, timeout=120)
+        results = run_ranks(_follows, 2, [slow] * 2, (64, 0), PAGED_PAIR_COUNT, kinds, timeout=120)
         ran = results[0][0]
         assert all(r[0] == ran for r in results) and all(r[1] for r in results)
         late = ran[explored:]
