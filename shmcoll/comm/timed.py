@@ -82,7 +82,8 @@ to 16 MiB alike); from 1 MiB, where ``auto``'s 2-rank reduce also looks at the r
 two choices share one agreement (``Timed.paged``). From 256 KiB since stop 52, where a call the
 lean path remembers agrees in compiled code (``benchmarks/timed_choice.py -n 2 --from 256K``, 10
 launches): ``auto`` over ``direct`` 0.86-1.02 at 256 KiB and 0.92-1.03 at 512 KiB in the 7 quiet
-launches, 0.30-0.36 and 0.27-0.34 in the 3 slow ones (cma's time, 1.0-1.2x and 1.15-1.55x).
+launches, 0.30-0.36 and 0.27-0.34 in the 3 slow ones (cma's time there 1.13-1.39x and
+1.13-1.55x).
 Not below: at 64 KiB a launch in which the rings were quicker than usual (4.1 us a call against
 8) had ``auto`` at 1.32x their time."""
 
