@@ -151,8 +151,8 @@ class Call:
         # Where the ranks choose between this plan and ``huge`` by what their calls took instead
         # (comm.timed): this rank's timings and vote.
         self.timed: Any = None
-        # A follower's lean entry that agrees in compiled code (comm.pages.lean): what its Python
-        # side needs where the leader votes for cma (comm.pages.voted).
+        # A timed shape's lean entry that agrees in compiled code (comm.pages.lean): what its
+        # Python side needs where the leader votes for cma or has a call to time (comm.pages.voted).
         self.lean_agree: Any = None
 
 

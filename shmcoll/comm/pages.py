@@ -160,10 +160,11 @@ def lean(rt: Any, b: Bound, enter: Any, record: np.ndarray) -> tuple[Any, np.nda
     which is at almost every call, a follower's call never leaves compiled code, nor do the
     leader's calls between those it votes on and times (``Timed.quiet_calls``). Where the leader
     votes for cma, or has a call to vote on, the entry returns ``VOTE`` and :func:`voted` carries
-    the call on in Python. (With the agreement in Python, a timed shape's 64 KiB reduce at 4 ranks
-    on 2 cores took 4.8 us longer than its plan named, 5.9 at 256 KiB; its followers in compiled
-    code, 1.8 and 5.1; every rank, 0.4 and 0.3: a rank a little late at a call's start makes its
-    peers' waits yield and sleep. ``benchmarks/RESULTS.md``, stop 52.)
+    the call on in Python. (The leader's vote forced off, a timed shape's 64 KiB reduce at 4 ranks
+    on 2 cores took 4.8 us longer than its plan named with the agreement in Python, 5.9 at 256
+    KiB; with its followers' in compiled code, 1.8 and 5.1; with every rank's, 0.4 and 0.3: a rank
+    a little late at a call's start makes its peers' waits yield and sleep. As built, with the
+    leader's votes: 4.3 -> 0.6 and 4.4 -> 1.1. ``benchmarks/RESULTS.md``, stop 52.)
 
     A shape that is page-aware too is timed so where this rank's buffers are known for good not
     to be on huge pages (its vote is then the leader's alone); any other page-aware shape gets a

@@ -512,7 +512,7 @@ class Runtime:
         """
         if st == engine.BUSY:
             raise ConcurrentCallError(self._concurrent_message(call.label))
-        if st == engine.VOTE:  # a follower's lean entry found the leader's vote for cma (comm.pages.lean)
+        if st == engine.VOTE:  # a timed shape's lean entry left the call to Python (comm.pages.lean)
             st, call, inp, res = pages.voted(self, call, limit)
             if st == engine.OK:
                 return

@@ -15,8 +15,8 @@ the plan every rank runs where every rank votes for it) and a :class:`Timed` per
 One rank times the calls and decides, the *leader* (the root of a reduce, the rank before the
 root of a broadcast, else rank 0): the root of a reduce is the rank that waits for the whole
 call, where its peers may leave early, and a broadcast's root is the one that may leave early
-(``calls._FROM_ROOT``). It times each call from before its vote to the engine's return, not what the program does
-between calls. (Timed from one call's start to the next's, a benchmark's barriers and the other
+(``calls._FROM_ROOT``). It times each call from before its vote to the engine's return, not what
+the program does between calls. (Timed from one call's start to the next's, a benchmark's barriers and the other
 algorithms it times in turn landed in the times and made them a coin toss: cma ran at 1.6x the
 rings' time for 9 calls in a row in quiet launches.)
 
@@ -72,7 +72,9 @@ TIMED_FROM = 4 << 20
 costs more than its vote's microseconds, by a share that falls with the size (2-core VM, stop
 50, quiet launches): 8-35% at 256 KiB (calls of 30-45 us at 3-4 ranks), about 8% at 1 MiB in a
 loop of calls (10 us of 125), more in ``shmcoll bench`` (1.2x and worse), 1-9% at 4 MiB. The
-cause of most of it was not found (stop 45 met the same with a choice like this one)."""
+cause of most of it was not found (stop 45 met the same with a choice like this one); stop 52
+found most of it on smaller calls to be the Python of every call on every rank, which the lean
+path's calls (up to 1 MiB) now leave to the engine's entry."""
 
 PAIR_FROM = 256 << 10
 """Bytes from which a call shape of 2 ranks may be timed. There the rings lose most in the slow
