@@ -147,12 +147,11 @@ Python's part of a call is most of what a timed shape costs where its plan stays
 class Timed:
     """One rank's part in the timed choice of a call shape (see the module doc): on the leader
     (``leader``), its timings of the shape's two plans (``estimate_ns``: the shape's own plan
-    first, 0 before it is timed) and its vote; elsewhere, which rank leads. ``paged``: the shape
+    first, 0 before it is timed) and its vote; elsewhere, where to read the leader's vote. ``paged``: the shape
     is also page-aware (cma as its huge-page plan): a rank on huge pages votes for cma anyway."""
 
     __slots__ = (
         "leader",
-        "leader_rank",
         "leader_word",
         "quiet",
         "last_vote",
@@ -170,7 +169,6 @@ class Timed:
 
     def __init__(self, leader_rank: int, rank: int, paged: bool = False, leader_word: int = -1) -> None:
         self.leader = leader_rank == rank
-        self.leader_rank = leader_rank
         # The control word where the leader writes its vote (layout.R_TIMED), which the others
         # read at every call (-1: a Timed made without an arena, as the unit tests make).
         self.leader_word = leader_word
