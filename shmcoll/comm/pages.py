@@ -156,11 +156,13 @@ def lean(rt: Any, b: Bound, enter: Any, record: np.ndarray) -> tuple[Any, np.nda
     loop).
 
     A timed call shape that is not page-aware gets ``enter`` itself, with a record whose entry
-    makes the agreement first (``engine.RC_AGREE``): where the leader's vote is not for cma,
-    which is at almost every call, a follower's call never leaves compiled code, nor do the
-    leader's calls between those it votes on and times (``Timed.quiet_calls``). Where the leader
-    votes for cma, or has a call to vote on, the entry returns ``VOTE`` and :func:`voted` carries
-    the call on in Python. (The leader's vote forced off, a timed shape's 64 KiB reduce at 4 ranks
+    makes the agreement first (``engine.RC_AGREE``) and runs the plan agreed on, the shape's own
+    or cma's: a follower's call never leaves compiled code, nor do the leader's calls between
+    those it votes on and times (``Timed.quiet_calls``). Where the leader has a call to vote on,
+    the entry returns ``VOTE`` and :func:`voted` carries the call on in Python; where a wait for
+    the peers' votes for cma outlasts a slice, ``AGREEING`` and :func:`agreeing` does; where
+    cma's plan waits past a slice, its status plus ``ON_CMA``, and ``Runtime._wait_or_raise``
+    carries cma's plan on. (The leader's vote forced off, a timed shape's 64 KiB reduce at 4 ranks
     on 2 cores took 4.8 us longer than its plan named with the agreement in Python, 5.9 at 256
     KiB; with its followers' in compiled code, 1.8 and 5.1; with every rank's, 0.4 and 0.3: a rank
     a little late at a call's start makes its peers' waits yield and sleep. As built, with the
@@ -179,9 +181,9 @@ def lean(rt: Any, b: Bound, enter: Any, record: np.ndarray) -> tuple[Any, np.nda
         if words is None:
             words = rt._pages_words = _words(rt)
         (word, waiters), ctrl = words[0], rt._ctrl
-        agree = engine.agreement(ctrl, word, waiters, timed.leader_word, timed.leader)
+        agree = engine.agreement(ctrl, word, waiters, timed.leader_word, timed.leader, words[1], call.huge.start)
         agreeing = engine.record_for(call.start, b[1], b[2], agree=agree)
-        # (what voted needs; the records and the agreement stay alive with the call shape)
+        # (what voted and agreeing need; the records and the agreement stay alive with the call shape)
         call.lean_agree = (b, enter, record.ctypes.data, huge.ctypes.data, agree, (record, huge, agreeing))
         return enter, agreeing
     addresses = (record.ctypes.data, huge.ctypes.data)
@@ -210,16 +212,13 @@ def _settled_small(b: Bound) -> bool:
 
 
 def voted(rt: Any, call: Any, limit: float) -> tuple[int, Any, np.ndarray, np.ndarray]:
-    """After a timed shape's lean entry returned ``VOTE`` for ``call`` (see :func:`lean`): agree
-    in Python and run the plan agreed on. On a follower: (its status, the call shape run, its
-    engine arrays), which ``Runtime._wait_or_raise`` carries on with. On the leader, the call is
-    voted on and timed from before its vote to its end, which this function waits for (OK, then
-    the same); then it says how many calls its entry may make next without it."""
+    """After a timed shape's lean entry returned ``VOTE`` for ``call`` on its leader (see
+    :func:`lean`): vote, agree in Python and run the plan agreed on, timed from before the vote
+    to the call's end, which this function waits for; then say how many calls the entry may
+    make next without it, and that they follow this vote. Returns (OK, the call shape run, its
+    engine arrays)."""
     b, enter, own, huge, agree, _ = call.lean_agree
     timed = call.timed
-    if not timed.leader:
-        chosen = agreed(rt, b, limit)
-        return enter(huge if chosen is not b else own), chosen[0], chosen[1], chosen[2]
     t0 = time.perf_counter_ns()
     # (the calls made in compiled code since its last vote: see Timed.quiet_calls)
     timed.calls += timed.quiet - int(agree[engine.AG_SKIP])
@@ -229,7 +228,19 @@ def voted(rt: Any, call: Any, limit: float) -> tuple[int, Any, np.ndarray, np.nd
         rt._wait_or_raise(st, chosen[0], b[1], b[2], limit)
     timed.took(time.perf_counter_ns() - t0)
     timed.quiet = agree[engine.AG_SKIP] = timed.quiet_calls()
+    agree[engine.AG_MINE] = timed.last_vote
     return engine.OK, chosen[0], chosen[1], chosen[2]
+
+
+def agreeing(rt: Any, call: Any, limit: float) -> tuple[int, Any, np.ndarray, np.ndarray]:
+    """After a timed shape's lean entry returned ``AGREEING`` for ``call``: its agreement on cma
+    (published, call ``k`` in the engine's count) waited a slice for the peers' words; wait on,
+    with the run loop's checks, then run the plan agreed on. Returns (its status, the call shape
+    run, its engine arrays), which ``Runtime._wait_or_raise`` carries on with."""
+    b, enter, own, huge, _, _ = call.lean_agree
+    k = int(rt._state[engine.S_PAGES_CALLS])
+    every = _every_peer_huge(rt, b, rt._pages_words[1], k, limit)
+    return enter(huge if every else own), call.huge if every else call, b[1], b[2]
 
 
 def _words(rt: Any) -> tuple[tuple[int, int], np.ndarray, int]:

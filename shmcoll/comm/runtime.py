@@ -512,8 +512,14 @@ class Runtime:
         """
         if st == engine.BUSY:
             raise ConcurrentCallError(self._concurrent_message(call.label))
-        if st == engine.VOTE:  # a timed shape's lean entry left the call to Python (comm.pages.lean)
+        if st >= engine.ON_CMA:  # a timed shape's lean entry agreed on cma, whose plan waits (comm.pages.lean)
+            st, call = st - engine.ON_CMA, call.huge  # type: ignore[assignment]  # (a timed shape has one)
+        elif st == engine.VOTE:  # the leader of a timed shape has a call to vote on
             st, call, inp, res = pages.voted(self, call, limit)
+            if st == engine.OK:
+                return
+        elif st == engine.AGREEING:  # a timed shape's agreement on cma waits
+            st, call, inp, res = pages.agreeing(self, call, limit)
             if st == engine.OK:
                 return
         started = last = time.monotonic() - _SLICE_NS / 1e9

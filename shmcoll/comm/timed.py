@@ -139,9 +139,9 @@ PROBE_CALLS = (16, 256, 512)
 up to the second as long as a probe finds cma still faster); while the other runs, the third."""
 
 SAMPLE = 4
-"""While the shape's own plan runs and no probe is due, the leader votes and times one call in
-this many; the others run from compiled code, as on the other ranks (``comm.pages.lean``:
-Python's part of a call is most of what a timed shape costs where its plan stays)."""
+"""While no probe is due and its mind stays, the leader votes and times one call in this many;
+the others run from compiled code, as on the other ranks (``comm.pages.lean``: Python's part of
+a call is most of what a timed shape costs)."""
 
 
 class Timed:
@@ -212,13 +212,14 @@ class Timed:
         return self.on_alt != self.probing
 
     def quiet_calls(self) -> int:
-        """How many of the next calls surely run the shape's own plan and need not be voted on
-        or timed (at most ``SAMPLE - 1``; none while cma runs or a probe does, before both plans
-        are timed, nor past the call before the next probe): the leader makes them without its
-        Python side, and adds them to :attr:`calls` before its next vote."""
-        if self.on_alt or self.probing or self.last_vote or self.counted[1] < WARM_CALLS or not self.estimate_ns[0]:
+        """How many of the next calls need not be voted on or timed, the vote staying the last
+        one (at most ``SAMPLE - 1``; none while a probe runs, before both plans are timed, where
+        the last vote is not the plan the leader now prefers, nor past the call before the next
+        probe): the leader makes them without its Python side, and adds them to :attr:`calls`
+        before its next vote."""
+        if self.probing or self.last_vote != self.on_alt or self.counted[1] < WARM_CALLS or not self.estimate_ns[0]:
             return 0
-        every = PROBE_CALLS[2]
+        every = self.probe_every if self.on_alt else PROBE_CALLS[2]
         to_probe = every - (self.calls - self.since) % every  # (calls from now to the next probe's first)
         return max(0, min(SAMPLE, to_probe) - 1)
 

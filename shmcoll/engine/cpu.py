@@ -170,7 +170,9 @@ BUSY = 4  # another thread is in a call on this communicator: nothing was done
 PEER_DEAD = 5  # a peer's liveness word says it died (S_ERR_PEER): nothing was done
 READ_FAILED = 6  # cross-memory attach could not read or write a peer's buffer (S_ERR_PEER, S_ERR_STEP)
 NOT_EVERY = 7  # agree_pages: a rank's buffers are not on huge pages (comm.pages)
-VOTE = 8  # entry_at's agreement: the leader of a timed call shape voted for cma (comm.pages.voted): nothing was done
+VOTE = 8  # entry_at's agreement: a timed call shape's leader has a call to vote on (comm.pages.voted): nothing done
+AGREEING = 9  # entry_at's agreement on cma outlasted a wait's slice: Python waits on (comm.pages.agreeing)
+ON_CMA = 16  # entry_at agreed on cma and ran its plan, which did not finish: its status plus this (comm.pages.lean)
 
 # Engine state: one int64 array per communicator, written by Python at set-up and by the engine.
 (
@@ -580,10 +582,12 @@ RECORD_WORDS = 7
 
 # A rank's side of a timed call shape's agreement (comm.pages.lean), which its record's entry
 # makes before the call: the control words' address and number, this rank's agreement word and
-# its waiters' word, the word where the shape's leader writes its vote (layout.R_TIMED), and on
-# the leader the calls it may still make without its Python side (AG_SKIP; -1 elsewhere).
-(AG_CTRL, AG_CTRL_LEN, AG_WORD, AG_WAITERS, AG_VOTE, AG_SKIP) = range(6)
-AGREE_WORDS = 6
+# its waiters' word, the word where the shape's leader writes its vote (layout.R_TIMED); on the
+# leader the calls it may still make without its Python side (AG_SKIP; -1 elsewhere) and its last
+# vote, which those calls follow (AG_MINE); agree_pages' table of words (AG_TABLE, AG_TABLE_LEN)
+# and the address of cma's handles (AG_CMA), for the calls that agree on cma.
+(AG_CTRL, AG_CTRL_LEN, AG_WORD, AG_WAITERS, AG_VOTE, AG_SKIP, AG_MINE, AG_TABLE, AG_TABLE_LEN, AG_CMA) = range(10)
+AGREE_WORDS = 10
 
 
 def record_for(handles, inp, out, *, trying: bool = False, agree=None):  # type: ignore[no-untyped-def]
@@ -602,36 +606,54 @@ def record_for(handles, inp, out, *, trying: bool = False, agree=None):  # type:
     return r
 
 
-def agreement(ctrl, word, waiters, vote, leader):  # type: ignore[no-untyped-def]
+def agreement(ctrl, word, waiters, vote, leader, table, cma):  # type: ignore[no-untyped-def]
     """The words of a rank's agreement for :func:`record_for` (``AG_*``): ``ctrl`` the control
     words, ``word`` and ``waiters`` this rank's agreement word and its waiters' word, ``vote``
-    the leader's vote word; ``leader``: this rank leads (its first call goes to Python)."""
+    the leader's vote word; ``leader``: this rank leads (its first call goes to Python);
+    ``table``: :func:`agree_pages`' words; ``cma``: the handles of the plan every rank runs
+    where every rank votes for it (the caller keeps both alive)."""
     a = np.zeros(AGREE_WORDS, np.int64)
     a[AG_CTRL], a[AG_CTRL_LEN] = ctrl.ctypes.data, ctrl.shape[0]
     a[AG_WORD], a[AG_WAITERS], a[AG_VOTE] = word, waiters, vote
     a[AG_SKIP] = 0 if leader else -1
+    a[AG_TABLE], a[AG_TABLE_LEN] = table.ctypes.data, table.shape[0]
+    a[AG_CMA] = cma.ctypes.data
     return a
 
 
 @jit
 def _agree(address, state):  # type: ignore[no-untyped-def]
-    """A rank's agreement on a timed call shape's next call (``RC_AGREE``), in the entry: where
-    the leader's vote is for cma, or this rank leads and has no call left to make without its
-    Python side (``AG_SKIP``), VOTE (nothing done: ``comm.pages.voted`` agrees in Python, and
-    may wait); else this rank says "not cma" for the call, as ``comm.pages.agreed`` would (its
-    ``k``-th such call: ``2k``), and OK. Python's agreement and this one count the calls in the
-    same word (``S_PAGES_CALLS``)."""
+    """A rank's agreement on a timed call shape's next call (``RC_AGREE``), in the entry, as
+    ``comm.pages.agreed`` makes it (its ``k``-th such call: ``2k`` for "not cma", ``2k + 1``
+    for "cma"). Where this rank leads and has no call left to make without its Python side
+    (``AG_SKIP``): VOTE, nothing done (``comm.pages.voted`` votes and times the call). Else the
+    vote is the leader's word (its own last one, ``AG_MINE``, on the leader): "not cma" is
+    published and OK returned (run the shape's own plan); "cma" is published and every peer's
+    word of call ``k`` waited for (:func:`agree_pages`): ON_CMA where each said cma (run cma's
+    plan), OK where one did not, AGREEING where the wait outlasted a slice or the call was
+    aborted (Python waits on, with the run loop's checks). Python's agreement and this one count
+    the calls in the same word (``S_PAGES_CALLS``)."""
     ag = carray(address_as_pointer(address, _WORDS), AGREE_WORDS)
     ctrl = carray(address_as_pointer(ag[AG_CTRL], _WORDS), ag[AG_CTRL_LEN])
     skip = ag[AG_SKIP]
-    if skip == 0 or load_acquire(ctrl, ag[AG_VOTE]) == 1:
+    if skip == 0:
         return VOTE
     if skip > 0:
         ag[AG_SKIP] = skip - 1
+        vote = ag[AG_MINE]
+    else:
+        vote = load_acquire(ctrl, ag[AG_VOTE])
     k = state[S_PAGES_CALLS] + 1
     state[S_PAGES_CALLS] = k
-    _publish(ctrl, ag[AG_WORD], 2 * k, ag[AG_WAITERS])
-    return OK
+    if vote != 1:
+        _publish(ctrl, ag[AG_WORD], 2 * k, ag[AG_WAITERS])
+        return OK
+    st = agree_pages(ctrl, carray(address_as_pointer(ag[AG_TABLE], _WORDS), ag[AG_TABLE_LEN]), k, state)
+    if st == OK:
+        return ON_CMA
+    if st == NOT_EVERY:
+        return OK
+    return AGREEING
 
 
 def entry_at(dtype):  # type: ignore[no-untyped-def]
@@ -657,6 +679,10 @@ def entry_at(dtype):  # type: ignore[no-untyped-def]
         out = carray(address_as_pointer(rec[RC_OUT], scalar), rec[RC_OUT_LEN])
         if rec[RC_AGREE] != 0:
             st = _agree(rec[RC_AGREE], carray(address_as_pointer(handles[H_STATE], _WORDS), handles[H_STATE_LEN]))
+            if st == ON_CMA:
+                ag = carray(address_as_pointer(rec[RC_AGREE], _WORDS), AGREE_WORDS)
+                st = execute(carray(address_as_pointer(ag[AG_CMA], _WORDS), HANDLE_WORDS), inp, out)
+                return st if st == OK else ON_CMA + st
             if st != OK:
                 return st
         if rec[RC_TRY] == 0:

@@ -6,13 +6,18 @@ scales what its calls took), so that the test does not hang on the machine's spe
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import os
+import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from harness import run_ranks
 
+import shmcoll
+from shmcoll import PeerLostError
 from shmcoll.algos.registry import ALGORITHM_NAMES
 from shmcoll.comm.bind import MEMO_MAX_BYTES
 from shmcoll.comm.timed import (
@@ -231,10 +236,10 @@ def _lean_follows(comm, calls: tuple[int, int], collective: str = "reduce", root
 @permitted
 @pytest.mark.parametrize(("collective", "root"), [("reduce", 0), ("broadcast", 0), ("broadcast", 2)])
 def test_a_remembered_timed_call_agrees_in_compiled_code(collective: str, root: int) -> None:
-    """A timed call the lean path remembers: the followers agree in the engine's entry, and the
-    leader (a reduce's root, the rank before a broadcast's root) votes and times one call in
-    ``SAMPLE`` while its own plan runs (and every call while cma does); every rank still runs
-    the same plan at every call, and the leader follows its times both ways."""
+    """A timed call the lean path remembers: the followers agree in the engine's entry, on either
+    plan, and the leader (a reduce's root, the rank before a broadcast's root) votes and times
+    one call in ``SAMPLE`` (and the calls of its probes); every rank still runs the same plan at
+    every call, and the leader follows its times both ways."""
     calls = (96, PROBE_CALLS[1] + 64)
     results = run_ranks(_lean_follows, 3, calls, collective, root, timeout=120)
     leader = root if collective == "reduce" else (root + 2) % 3
@@ -249,16 +254,111 @@ def test_a_remembered_timed_call_agrees_in_compiled_code(collective: str, root: 
     assert slow_phase.count("own") <= 4 * (PROBE_LEN + 1), slow_phase
     tail = plans[calls[0] + PROBE_CALLS[1] :]
     assert tail.count("own") >= len(tail) - PROBE_LEN, tail
-    # Where the rings run again: the followers' agreement in Python only where the leader asked
-    # for cma (a probe), the leader's at one call in SAMPLE (and the probe's).
-    end = slice(calls[0] + 64, None)
-    for rank, r in enumerate(results):
-        python = sum(r[1][end])
-        quiet = len(r[1][end])
-        if rank == leader:
-            assert quiet // SAMPLE - 1 <= python <= quiet // SAMPLE + 2 * PROBE_LEN + 2, (python, quiet)
-        else:
-            assert python <= 2 * PROBE_LEN + 2, (rank, python, quiet)
+    # While cma runs and where the rings run again: no follower's agreement in Python, the
+    # leader's at one call in SAMPLE and at the calls of its probes (and the call after each).
+    cma_runs = slice(FIRST_CALLS + EXPLORE_CALLS + 8, calls[0])
+    rings_run = slice(calls[0] + 64, None)
+    for part, probes in ((cma_runs, 3), (rings_run, 2)):
+        for rank, r in enumerate(results):
+            python = sum(r[1][part])
+            made = len(r[1][part])
+            if rank == leader:
+                assert made // SAMPLE - 1 <= python <= made // SAMPLE + probes * (PROBE_LEN + 1), (part, python, made)
+            else:
+                assert python == 0, (part, rank, python, made)
+
+
+def _cma_settled(comm, event: str, path: str = ""):  # type: ignore[no-untyped-def]
+    """A remembered reduce of 256 KiB at 3 ranks (the timed floor lowered to it) whose rings'
+    calls count 20 times what they took, so that cma runs, agreed in the engine's entry; after
+    64 calls, ``event`` at one call: "late follower" (rank 1 sleeps 0.3 s before it, past a
+    wait's slice: its peers' agreement on cma waits on in Python), "late leader" (the root, at
+    the next call it votes on, sleeps 0.3 s between the agreement on cma and cma's plan: the
+    followers' plans wait past a slice), "dies" (rank 1 leaves before it; each survivor's
+    outcome goes to ``path.RANK``). Returns whether every result was exact, the plans run by
+    the last 40 calls, and the statuses this rank's entries left to Python."""
+    from shmcoll.comm import pages as agreement
+    from shmcoll.comm import timed
+    from shmcoll.comm.runtime import Runtime
+
+    timed.TIMED_FROM = LEAN_COUNT * 4
+    r, n = comm.rank, comm.world_size
+    x = (np.arange(LEAN_COUNT, dtype=np.float32) % 1000) + r
+    out = np.empty(LEAN_COUNT, np.float32)
+    expected = _expected(n, LEAN_COUNT)
+    statuses: list[int] = []
+    armed = [False]
+    own_wait, own_agreed = Runtime._wait_or_raise, agreement.agreed
+
+    def wait_or_raise(rt, st, *args):  # type: ignore[no-untyped-def]
+        statuses.append(st)
+        return own_wait(rt, st, *args)
+
+    def agreed(rt, b, limit):  # type: ignore[no-untyped-def]
+        chosen = own_agreed(rt, b, limit)
+        if armed[0] and "algorithm=cma" in chosen[0].label:
+            armed[0] = False
+            time.sleep(0.3)
+        return chosen
+
+    exact, plans = True, []
+    Runtime._wait_or_raise, agreement.agreed = wait_or_raise, agreed  # type: ignore[method-assign,assignment]
+    t0 = 0.0
+    try:
+        with _scaled({"own": 20.0, "cma": 1.0}):
+            for i in range(104):
+                if i == 64:
+                    statuses.clear()
+                    t0 = time.monotonic()
+                    if event == "late leader" and r == 0:
+                        armed[0] = True
+                    elif event == "late follower" and r == 1:
+                        time.sleep(0.3)
+                    elif event == "dies" and r == 1:
+                        os._exit(3)
+                got = comm.reduce(x, 0, out=out if r == 0 else None)
+                exact &= r != 0 or bool(np.array_equal(got, expected))
+                if i >= 64:
+                    plans.append(_plan_run(comm))
+    except PeerLostError as exc:
+        with open(f"{path}.{r}", "w") as f:
+            f.write(repr(("lost", time.monotonic() - t0, exc.dead_rank, str(exc))))
+        raise
+    finally:
+        Runtime._wait_or_raise, agreement.agreed = own_wait, own_agreed  # type: ignore[method-assign]
+    return exact, plans, statuses
+
+
+@permitted
+@pytest.mark.parametrize("event", ["late follower", "late leader"])
+def test_a_wait_past_a_slice_while_cma_runs_goes_on_in_python(event: str) -> None:
+    """Where the entry's agreement on cma, or cma's plan entered from it, waits past a slice,
+    Python carries on that wait (``engine.AGREEING``) or that plan (its status plus
+    ``engine.ON_CMA``), and the call ends as the others do."""
+    results = run_ranks(_cma_settled, 3, event, timeout=120)
+    plans = results[0][1]
+    assert all(r[0] for r in results)
+    assert all(r[1] == plans for r in results), "the ranks ran different plans"
+    assert plans.count("cma") >= len(plans) - 2 * (PROBE_LEN + 1), plans
+    left = [r[2] for r in results]
+    if event == "late follower":  # (rank 2 follows: its entry's agreement waited for rank 1)
+        assert engine.AGREEING in left[2], left
+    else:  # (each follower's cma plan waited for the root)
+        assert all(engine.ON_CMA + engine.WAITING in left[rank] for rank in (1, 2)), left
+
+
+@permitted
+def test_a_peer_lost_while_cma_runs_is_named_by_every_survivor(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = str(tmp_path / "r")
+    with pytest.raises(shmcoll.SpawnError) as info:
+        shmcoll.spawn(_cma_settled, nprocs=3, args=("dies", path), timeout=120)
+    assert info.value.rank == 1 and info.value.exitcode == 3
+    for rank in (0, 2):
+        with open(f"{path}.{rank}") as f:
+            kind, elapsed, dead, text = ast.literal_eval(f.read())
+        assert kind == "lost" and dead == 1, (rank, text)
+        assert elapsed < 2.0, (rank, elapsed)
+        assert "rank 1" in text and "reduce" in text, text
 
 
 def _broadcast_shapes(comm) -> list[bool]:  # type: ignore[no-untyped-def]

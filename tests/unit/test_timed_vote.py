@@ -108,15 +108,16 @@ def test_only_the_leader_times() -> None:
     assert Timed(2, 2).leader and not Timed(2, 0).leader
 
 
-def _quiet_run(lead: Leader, calls: int, own_us: float, alt_us: float) -> list[bool | None]:
+def _quiet_run(lead: Leader, calls: int, own_us: float, alt_us: float) -> list[bool | str]:
     """As ``Leader.run``, with the calls ``Timed.quiet_calls`` lets the leader make without voting
-    made so (None: no vote, untimed, the shape's own plan), as ``comm.pages.voted`` does."""
-    votes: list[bool | None] = []
+    made so, as ``comm.pages.voted`` does ("own" or "cma": no vote, untimed, the plan of the
+    leader's last vote)."""
+    votes: list[bool | str] = []
     while len(votes) < calls:
         votes += lead.run(1, own_us, alt_us)
         quiet = min(lead.t.quiet_calls(), calls - len(votes))
         lead.t.calls += quiet
-        votes += [None] * quiet
+        votes += ["cma" if lead.t.last_vote else "own"] * quiet
     return votes
 
 
@@ -126,17 +127,31 @@ def test_quiet_calls_sample_the_own_plan_and_stop_before_each_probe() -> None:
     lead = Leader()
     assert lead.t.quiet_calls() == 0  # (nothing timed yet)
     votes = _quiet_run(lead, START, 200, 300)
-    assert None not in votes  # (the first calls and cma's warm calls are all timed)
+    assert all(isinstance(v, bool) for v in votes)  # (the first calls and cma's warm calls are all timed)
     votes = _quiet_run(lead, 2 * PROBE_CALLS[2], 200, 300)
     # One call in SAMPLE is voted on and timed while the rings run; the probes of cma come at the
     # calls they would without the quiet calls, every PROBE_CALLS[2] calls.
     first = START + 1
     probes = [c + k for c in (PROBE_CALLS[2], 2 * PROBE_CALLS[2]) for k in range(PROBE_LEN)]
     assert _numbers(first, votes, True) == probes
-    voted = [i for i, v in enumerate(votes) if v is not None]
+    assert "cma" not in votes
+    voted = [i for i, v in enumerate(votes) if isinstance(v, bool)]
     assert len(voted) <= len(votes) // SAMPLE + 2 * (PROBE_LEN + SAMPLE)
     assert max(b - a for a, b in zip(voted, voted[1:], strict=False)) == SAMPLE
-    # The rings slow down: seen at a sampled call, then cma every call, each voted on.
-    votes = _quiet_run(lead, 64, 900, 300)
-    assert None not in votes[-16:] and votes[-16:].count(True) >= 16 - PROBE_LEN
-    assert lead.t.on_alt and lead.t.quiet_calls() == 0
+    # The rings slow down: seen at a sampled call, then cma, voted on and timed at one call in
+    # SAMPLE too, but for the probes of the rings, whose calls are all voted on (each finding cma
+    # still faster: the next one twice as far, up to PROBE_CALLS[1]).
+    votes = _quiet_run(lead, 40 + 2 * PROBE_CALLS[1], 900, 300)
+    assert lead.t.on_alt
+    tail = votes[40:]
+    assert "own" not in tail  # (no quiet call of the rings)
+    own = [i for i, v in enumerate(tail) if v is False]
+    starts = own[::PROBE_LEN]
+    assert own == [s + k for s in starts for k in range(PROBE_LEN)], own
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    doubling = [g for g in (32, 64, 128, 256, 512) if g <= PROBE_CALLS[1]]
+    assert gaps == doubling[: len(gaps)] and gaps[-1] == PROBE_CALLS[1], gaps
+    voted = [i for i, v in enumerate(tail) if isinstance(v, bool)]
+    assert len(voted) <= len(tail) // SAMPLE + len(starts) * (PROBE_LEN + 1), len(voted)
+    assert max(b - a for a, b in zip(voted, voted[1:], strict=False)) == SAMPLE
+    assert lead.t.probe_every == PROBE_CALLS[1]
