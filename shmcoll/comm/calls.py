@@ -152,7 +152,7 @@ class Call:
         # (comm.timed): this rank's timings and vote.
         self.timed: Any = None
         # A timed shape's lean entry that agrees in compiled code (comm.pages.lean): what its
-        # Python side needs where the leader votes for cma or has a call to time (comm.pages.voted).
+        # Python side needs (comm.pages.voted, sampled, agreeing).
         self.lean_agree: Any = None
 
 

@@ -126,19 +126,25 @@ def agreed(rt: Any, b: Bound, limit: float) -> Bound:
     if timed is not None:
         timed.ran(every)
     if every is not call.agreed:
-        call.agreed = every
-        chosen = call.huge if every else call
-        said = "every rank's buffers are on huge pages" if timed is None else "every rank voted for cma"
-        rt._log.info(
-            "%s: %s: %s%s: algorithm %s%s",
-            call.label,
-            "pages" if timed is None else "timed",
-            "" if every else "not ",
-            said,
-            chosen.label.rpartition("algorithm=")[2].rstrip(")"),
-            _estimates(timed),
-        )
+        _changed(rt, call, every)
     return (call.huge, *b[1:]) if every else b
+
+
+def _changed(rt: Any, call: Any, every: bool) -> None:
+    """The ranks agreed on the other plan than at the call shape's last call: log it."""
+    call.agreed = every
+    timed = call.timed
+    chosen = call.huge if every else call
+    said = "every rank's buffers are on huge pages" if timed is None else "every rank voted for cma"
+    rt._log.info(
+        "%s: %s: %s%s: algorithm %s%s",
+        call.label,
+        "pages" if timed is None else "timed",
+        "" if every else "not ",
+        said,
+        chosen.label.rpartition("algorithm=")[2].rstrip(")"),
+        _estimates(timed),
+    )
 
 
 def _estimates(timed: Any) -> str:
@@ -157,9 +163,12 @@ def lean(rt: Any, b: Bound, enter: Any, record: np.ndarray) -> tuple[Any, np.nda
 
     A timed call shape that is not page-aware gets ``enter`` itself, with a record whose entry
     makes the agreement first (``engine.RC_AGREE``) and runs the plan agreed on, the shape's own
-    or cma's: a follower's call never leaves compiled code, nor do the leader's calls between
-    those it votes on and times (``Timed.quiet_calls``). Where the leader has a call to vote on,
-    the entry returns ``VOTE`` and :func:`voted` carries the call on in Python; where a wait for
+    or cma's: a follower's call never leaves compiled code, nor do the leader's, which follow
+    its last vote (``AG_MINE``). The leader's entry times one call in ``timed.SAMPLE`` (each of
+    a probe's, ``Timed.quiet_calls``) and returns ``SAMPLED``: :func:`sampled` takes the time and
+    votes for the next calls. Where the leader's call must go to Python first (its first one
+    here, or the one after a timed call that did not end in the entry), the entry returns
+    ``VOTE`` and :func:`voted` carries the call on in Python; where a wait for
     the peers' votes for cma outlasts a slice, ``AGREEING`` and :func:`agreeing` does; where
     cma's plan waits past a slice, its status plus ``ON_CMA``, and ``Runtime._wait_or_raise``
     carries cma's plan on. (The leader's vote forced off, a timed shape's 64 KiB reduce at 4 ranks
@@ -213,23 +222,58 @@ def _settled_small(b: Bound) -> bool:
 
 def voted(rt: Any, call: Any, limit: float) -> tuple[int, Any, np.ndarray, np.ndarray]:
     """After a timed shape's lean entry returned ``VOTE`` for ``call`` on its leader (see
-    :func:`lean`): vote, agree in Python and run the plan agreed on, timed from before the vote
-    to the call's end, which this function waits for; then say how many calls the entry may
-    make next without it, and that they follow this vote. Returns (OK, the call shape run, its
-    engine arrays)."""
+    :func:`lean`: its first call there, or the call after one it timed that did not end in the
+    entry): vote, agree in Python and run the plan agreed on, timed from before the vote to the
+    call's end, which this function waits for; then vote for the next calls
+    (:func:`_vote_ahead`). Returns (OK, the call shape run, its engine arrays)."""
     b, enter, own, huge, agree, _ = call.lean_agree
     timed = call.timed
     t0 = time.perf_counter_ns()
-    # (the calls made in compiled code since its last vote: see Timed.quiet_calls)
-    timed.calls += timed.quiet - int(agree[engine.AG_SKIP])
+    # (the calls of the last vote, all made: see _vote_ahead; a call shape remembered again in
+    # the middle of them counts them all)
+    timed.calls += timed.quiet
+    timed.quiet = 0
     chosen = agreed(rt, b, limit)
     st = enter(huge if chosen is not b else own)
     if st != engine.OK:
         rt._wait_or_raise(st, chosen[0], b[1], b[2], limit)
     timed.took(time.perf_counter_ns() - t0)
-    timed.quiet = agree[engine.AG_SKIP] = timed.quiet_calls()
-    agree[engine.AG_MINE] = timed.last_vote
+    _vote_ahead(rt, timed, agree)
     return engine.OK, chosen[0], chosen[1], chosen[2]
+
+
+def sampled(rt: Any, call: Any) -> None:
+    """After a timed shape's lean entry returned ``SAMPLED`` for ``call`` on its leader: the entry
+    made and timed the last call of the leader's last vote (``AG_TOOK``, ``AG_RAN``); count
+    them, take the time, and vote for the next calls."""
+    agree = call.lean_agree[4]
+    timed = call.timed
+    timed.calls += timed.quiet
+    alt = bool(agree[engine.AG_RAN])
+    timed.ran(alt)
+    timed.took(int(agree[engine.AG_TOOK]))
+    if alt is not call.agreed:
+        _changed(rt, call, alt)
+    _vote_ahead(rt, timed, agree)
+
+
+def _vote_ahead(rt: Any, timed: Any, agree: np.ndarray) -> None:
+    """The leader's vote for its next call, made as its last one ends, and how many calls after
+    that one follow it without a vote (``Timed.quiet_calls``); the last of them is timed in the
+    entry. The vote counts the next call; :func:`sampled` counts the others.
+
+    Voting after the call rather than before the next keeps the vote's Python out of the calls
+    it times: a vote made at a call's start made that call's peers, which had entered, wait for
+    the leader, and on the 2-core VM in a slow launch, a 4-rank broadcast of 256 KiB through the
+    timed shape's cma took 147-154 us on the leader (median of the calls it timed) where cma
+    named took 107-113 a call, and the leader kept going back to the rings (``benchmarks/RESULTS.md``,
+    stop 53)."""
+    vote = timed.vote()
+    word = rt._pages_words[2]
+    if rt._ctrl[word] != vote:  # (its peers read the line at every call)
+        rt._ctrl[word] = vote
+    timed.quiet = agree[engine.AG_SKIP] = timed.quiet_calls()
+    agree[engine.AG_MINE] = vote
 
 
 def agreeing(rt: Any, call: Any, limit: float) -> tuple[int, Any, np.ndarray, np.ndarray]:

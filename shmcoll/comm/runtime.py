@@ -514,7 +514,10 @@ class Runtime:
             raise ConcurrentCallError(self._concurrent_message(call.label))
         if st >= engine.ON_CMA:  # a timed shape's lean entry agreed on cma, whose plan waits (comm.pages.lean)
             st, call = st - engine.ON_CMA, call.huge  # type: ignore[assignment]  # (a timed shape has one)
-        elif st == engine.VOTE:  # the leader of a timed shape has a call to vote on
+        elif st == engine.SAMPLED:  # the leader of a timed shape made a call to time: it votes
+            pages.sampled(self, call)
+            return
+        elif st == engine.VOTE:  # the leader of a timed shape has a call to make in Python
             st, call, inp, res = pages.voted(self, call, limit)
             if st == engine.OK:
                 return

@@ -44,8 +44,9 @@ the votes disagreed at 4 ranks on up to 90% of the calls, and the rings then ran
 waiting for each other's votes.)
 
 What it costs: on a call a program's loop repeats (the lean path, calls of up to 1 MiB), the
-agreement is made in the engine's entry (``comm.pages.lean``), and the leader votes and times one
-call in :data:`SAMPLE` while its plan runs (:meth:`Timed.quiet_calls`); elsewhere, two clock reads,
+agreement is made and the plan agreed on run in the engine's entry (``comm.pages.lean``), and the
+leader times one call in :data:`SAMPLE` there, voting for the next calls in Python after it
+(:meth:`Timed.quiet_calls`; the calls of a probe each); elsewhere, two clock reads,
 the vote and the agreement in Python at every call (about 1-2 us, more where ranks outnumber cores:
 a rank late at a call's start makes its peers' waits yield and sleep), which is why only calls
 from :data:`TIMED_FROM` bytes are timed (:data:`PAIR_FROM` at 2 ranks, :data:`BROADCAST_FROM`

@@ -172,6 +172,7 @@ READ_FAILED = 6  # cross-memory attach could not read or write a peer's buffer (
 NOT_EVERY = 7  # agree_pages: a rank's buffers are not on huge pages (comm.pages)
 VOTE = 8  # entry_at's agreement: a timed call shape's leader has a call to vote on (comm.pages.voted): nothing done
 AGREEING = 9  # entry_at's agreement on cma outlasted a wait's slice: Python waits on (comm.pages.agreeing)
+SAMPLED = 10  # entry_at made a timed shape's leader's sample call, done (AG_TOOK, AG_RAN): comm.pages.sampled votes
 ON_CMA = 16  # entry_at agreed on cma and ran its plan, which did not finish: its status plus this (comm.pages.lean)
 
 # Engine state: one int64 array per communicator, written by Python at set-up and by the engine.
@@ -582,12 +583,29 @@ RECORD_WORDS = 7
 
 # A rank's side of a timed call shape's agreement (comm.pages.lean), which its record's entry
 # makes before the call: the control words' address and number, this rank's agreement word and
-# its waiters' word, the word where the shape's leader writes its vote (layout.R_TIMED); on the
-# leader the calls it may still make without its Python side (AG_SKIP; -1 elsewhere) and its last
-# vote, which those calls follow (AG_MINE); agree_pages' table of words (AG_TABLE, AG_TABLE_LEN)
-# and the address of cma's handles (AG_CMA), for the calls that agree on cma.
-(AG_CTRL, AG_CTRL_LEN, AG_WORD, AG_WAITERS, AG_VOTE, AG_SKIP, AG_MINE, AG_TABLE, AG_TABLE_LEN, AG_CMA) = range(10)
-AGREE_WORDS = 10
+# its waiters' word, the word where the shape's leader writes its vote (layout.R_TIMED);
+# agree_pages' table of words (AG_TABLE, AG_TABLE_LEN) and the address of cma's handles (AG_CMA),
+# for the calls that agree on cma. On the leader: its last vote, which its calls in compiled code
+# follow (AG_MINE); how many calls it makes before the next one it times (AG_SKIP: 0, the next is
+# timed; SKIP_VOTE, its next call goes to Python first; SKIP_FOLLOWER on the others); and what
+# the call it timed took and ran (AG_TOOK in ns, AG_RAN: 1 for cma).
+(
+    AG_CTRL,
+    AG_CTRL_LEN,
+    AG_WORD,
+    AG_WAITERS,
+    AG_VOTE,
+    AG_SKIP,
+    AG_MINE,
+    AG_TABLE,
+    AG_TABLE_LEN,
+    AG_CMA,
+    AG_TOOK,
+    AG_RAN,
+) = range(12)
+AGREE_WORDS = 12
+SKIP_FOLLOWER = -1
+SKIP_VOTE = -2
 
 
 def record_for(handles, inp, out, *, trying: bool = False, agree=None):  # type: ignore[no-untyped-def]
@@ -615,31 +633,30 @@ def agreement(ctrl, word, waiters, vote, leader, table, cma):  # type: ignore[no
     a = np.zeros(AGREE_WORDS, np.int64)
     a[AG_CTRL], a[AG_CTRL_LEN] = ctrl.ctypes.data, ctrl.shape[0]
     a[AG_WORD], a[AG_WAITERS], a[AG_VOTE] = word, waiters, vote
-    a[AG_SKIP] = 0 if leader else -1
+    a[AG_SKIP] = SKIP_VOTE if leader else SKIP_FOLLOWER
     a[AG_TABLE], a[AG_TABLE_LEN] = table.ctypes.data, table.shape[0]
     a[AG_CMA] = cma.ctypes.data
     return a
 
 
 @jit
-def _agree(address, state):  # type: ignore[no-untyped-def]
-    """A rank's agreement on a timed call shape's next call (``RC_AGREE``), in the entry, as
-    ``comm.pages.agreed`` makes it (its ``k``-th such call: ``2k`` for "not cma", ``2k + 1``
-    for "cma"). Where this rank leads and has no call left to make without its Python side
-    (``AG_SKIP``): VOTE, nothing done (``comm.pages.voted`` votes and times the call). Else the
-    vote is the leader's word (its own last one, ``AG_MINE``, on the leader): "not cma" is
-    published and OK returned (run the shape's own plan); "cma" is published and every peer's
-    word of call ``k`` waited for (:func:`agree_pages`): ON_CMA where each said cma (run cma's
-    plan), OK where one did not, AGREEING where the wait outlasted a slice or the call was
-    aborted (Python waits on, with the run loop's checks). Python's agreement and this one count
-    the calls in the same word (``S_PAGES_CALLS``)."""
-    ag = carray(address_as_pointer(address, _WORDS), AGREE_WORDS)
+def _agree(ag, state):  # type: ignore[no-untyped-def]
+    """A rank's agreement ``ag`` on a timed call shape's next call (``RC_AGREE``), in the entry,
+    as ``comm.pages.agreed`` makes it (its ``k``-th such call: ``2k`` for "not cma", ``2k + 1``
+    for "cma"). On the leader at ``SKIP_VOTE``: VOTE, nothing done (``comm.pages.voted`` makes
+    the call in Python). Else the vote is the leader's word (its own last one, ``AG_MINE``, on
+    the leader): "not cma" is published and OK returned (run the shape's own plan); "cma" is
+    published and every peer's word of call ``k`` waited for (:func:`agree_pages`): ON_CMA where
+    each said cma (run cma's plan), OK where one did not, AGREEING where the wait outlasted a
+    slice or the call was aborted (Python waits on, with the run loop's checks). Python's
+    agreement and this one count the calls in the same word (``S_PAGES_CALLS``)."""
     ctrl = carray(address_as_pointer(ag[AG_CTRL], _WORDS), ag[AG_CTRL_LEN])
     skip = ag[AG_SKIP]
-    if skip == 0:
+    if skip == SKIP_VOTE:
         return VOTE
-    if skip > 0:
-        ag[AG_SKIP] = skip - 1
+    if skip >= 0:
+        # (a call timed here that does not end in this entry sends the leader's next call to Python)
+        ag[AG_SKIP] = skip - 1 if skip > 0 else SKIP_VOTE
         vote = ag[AG_MINE]
     else:
         vote = load_acquire(ctrl, ag[AG_VOTE])
@@ -654,6 +671,31 @@ def _agree(address, state):  # type: ignore[no-untyped-def]
     if st == NOT_EVERY:
         return OK
     return AGREEING
+
+
+@jit
+def _agreed_call(agreement, handles, inp, out):  # type: ignore[no-untyped-def]
+    """A timed shape's call from :func:`entry_at`: the agreement (:func:`_agree`), then the plan
+    agreed on; on the leader, where ``AG_SKIP`` says so, timed (``SAMPLED`` where it ends here:
+    ``comm.pages.sampled`` counts it and votes for the next calls)."""
+    ag = carray(address_as_pointer(agreement, _WORDS), AGREE_WORDS)
+    timing = ag[AG_SKIP] == 0
+    t0 = monotonic_ns() if timing else 0
+    st = _agree(ag, carray(address_as_pointer(handles[H_STATE], _WORDS), handles[H_STATE_LEN]))
+    ran = st == ON_CMA
+    if ran:
+        st = execute(carray(address_as_pointer(ag[AG_CMA], _WORDS), HANDLE_WORDS), inp, out)
+    elif st == OK:
+        st = execute(handles, inp, out)
+    else:
+        return st
+    if st != OK:
+        return ON_CMA + st if ran else st
+    if timing:
+        ag[AG_TOOK] = monotonic_ns() - t0
+        ag[AG_RAN] = 1 if ran else 0
+        return SAMPLED
+    return OK
 
 
 def entry_at(dtype):  # type: ignore[no-untyped-def]
@@ -678,13 +720,7 @@ def entry_at(dtype):  # type: ignore[no-untyped-def]
         inp = carray(address_as_pointer(rec[RC_INP], scalar), rec[RC_INP_LEN])
         out = carray(address_as_pointer(rec[RC_OUT], scalar), rec[RC_OUT_LEN])
         if rec[RC_AGREE] != 0:
-            st = _agree(rec[RC_AGREE], carray(address_as_pointer(handles[H_STATE], _WORDS), handles[H_STATE_LEN]))
-            if st == ON_CMA:
-                ag = carray(address_as_pointer(rec[RC_AGREE], _WORDS), AGREE_WORDS)
-                st = execute(carray(address_as_pointer(ag[AG_CMA], _WORDS), HANDLE_WORDS), inp, out)
-                return st if st == OK else ON_CMA + st
-            if st != OK:
-                return st
+            return _agreed_call(rec[RC_AGREE], handles, inp, out)
         if rec[RC_TRY] == 0:
             return execute(handles, inp, out)
         state = carray(address_as_pointer(handles[H_STATE], _WORDS), handles[H_STATE_LEN])

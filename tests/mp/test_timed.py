@@ -187,9 +187,9 @@ def _lean_follows(comm, calls: tuple[int, int], collective: str = "reduce", root
     """As :func:`_follows`, on a call the lean path remembers (a reduce of 256 KiB, the timed
     floor lowered in this rank to its size; a broadcast of 1 MiB), the rings' calls counting 20
     times what they took on the leader, then cma's: per call, the plan this rank ran (read from
-    its rank record, not from the agreement, which the lean entry makes in compiled code) and
-    whether its agreement ran in Python; whether every result was exact, and the leader's count
-    of the shape's calls (0 elsewhere)."""
+    its rank record, not from the agreement, which the lean entry makes in compiled code),
+    whether its agreement ran in Python and whether the leader timed it; whether every result
+    was exact, and the leader's count of the shape's calls (0 elsewhere)."""
     from shmcoll.comm import timed
 
     timed.TIMED_FROM = LEAN_COUNT * 4
@@ -217,20 +217,34 @@ def _lean_follows(comm, calls: tuple[int, int], collective: str = "reduce", root
     scale = {"own": 1.0, "cma": 1.0}
     plans: list[str] = []
     in_python: list[bool] = []
+    timed_here: list[bool] = []
     exact = True
     with _scaled(scale) as ran:
-        for phase, count in enumerate(calls):
+        scaled_count = timed.Timed._count
+        counted: list[bool] = []
+
+        def count(self, alt, elapsed_ns):  # type: ignore[no-untyped-def]
+            counted.append(alt)
+            scaled_count(self, alt, elapsed_ns)
+
+        timed.Timed._count = count  # type: ignore[method-assign]
+        for phase, made in enumerate(calls):
             scale["own"], scale["cma"] = (20.0, 1.0) if phase == 0 else (1.0, 20.0)
-            for _ in range(count):
-                before = len(ran)
+            for _ in range(made):
+                before, timed_before = len(ran), len(counted)
                 exact &= call()
                 plans.append(_plan_run(comm))
                 in_python.append(len(ran) > before)
+                timed_here.append(len(counted) > timed_before)
+        timed.Timed._count = scaled_count  # type: ignore[method-assign]
     shape = next(c for c in comm._calls.values() if getattr(c, "timed", None) is not None)
     made = 0
-    if shape.timed.leader:  # (and the calls its entry has made since the leader's last vote)
-        made = shape.timed.calls + shape.timed.quiet - int(shape.lean_agree[4][engine.AG_SKIP])
-    return plans, in_python, exact, made, shape.timed.leader
+    if shape.timed.leader:
+        # (the leader's vote for its next call counted it; and the calls its entry has made
+        # since that vote, the last of them timed unless it went to Python)
+        skip = int(shape.lean_agree[4][engine.AG_SKIP])
+        made = shape.timed.calls + shape.timed.quiet - (skip + 1 if skip >= 0 else 0)
+    return plans, in_python, exact, made, shape.timed.leader, timed_here
 
 
 @permitted
@@ -254,27 +268,33 @@ def test_a_remembered_timed_call_agrees_in_compiled_code(collective: str, root: 
     assert slow_phase.count("own") <= 4 * (PROBE_LEN + 1), slow_phase
     tail = plans[calls[0] + PROBE_CALLS[1] :]
     assert tail.count("own") >= len(tail) - PROBE_LEN, tail
-    # While cma runs and where the rings run again: no follower's agreement in Python, the
-    # leader's at one call in SAMPLE and at the calls of its probes (and the call after each).
+    # While cma runs and where the rings run again, every call is agreed on in compiled code
+    # (the leader's first remembered call aside), and the leader times one call in SAMPLE, and
+    # each call of its probes (and the call after each).
     cma_runs = slice(FIRST_CALLS + EXPLORE_CALLS + 8, calls[0])
     rings_run = slice(calls[0] + 64, None)
     for part, probes in ((cma_runs, 3), (rings_run, 2)):
         for rank, r in enumerate(results):
             python = sum(r[1][part])
             made = len(r[1][part])
+            assert python == 0, (part, rank, python, made)
+            timed_calls = sum(r[5][part])
             if rank == leader:
-                assert made // SAMPLE - 1 <= python <= made // SAMPLE + probes * (PROBE_LEN + 1), (part, python, made)
+                assert made // SAMPLE - 1 <= timed_calls <= made // SAMPLE + probes * (PROBE_LEN + 1), (
+                    part,
+                    timed_calls,
+                )
             else:
-                assert python == 0, (part, rank, python, made)
+                assert timed_calls == 0
 
 
 def _cma_settled(comm, event: str, path: str = ""):  # type: ignore[no-untyped-def]
     """A remembered reduce of 256 KiB at 3 ranks (the timed floor lowered to it) whose rings'
     calls count 20 times what they took, so that cma runs, agreed in the engine's entry; after
     64 calls, ``event`` at one call: "late follower" (rank 1 sleeps 0.3 s before it, past a
-    wait's slice: its peers' agreement on cma waits on in Python), "late leader" (the root, at
-    the next call it votes on, sleeps 0.3 s between the agreement on cma and cma's plan: the
-    followers' plans wait past a slice), "dies" (rank 1 leaves before it; each survivor's
+    wait's slice: its peers' agreement on cma waits on in Python), "late leader" (the root makes
+    the call in Python, ``engine.SKIP_VOTE``, and sleeps 0.3 s between the agreement on cma and
+    cma's plan: the followers' plans wait past a slice), "dies" (rank 1 leaves before it; each survivor's
     outcome goes to ``path.RANK``). Returns whether every result was exact, the plans run by
     the last 40 calls, and the statuses this rank's entries left to Python."""
     from shmcoll.comm import pages as agreement
@@ -312,6 +332,8 @@ def _cma_settled(comm, event: str, path: str = ""):  # type: ignore[no-untyped-d
                     t0 = time.monotonic()
                     if event == "late leader" and r == 0:
                         armed[0] = True
+                        shape = next(c for c in comm._calls.values() if getattr(c, "timed", None) is not None)
+                        shape.lean_agree[4][engine.AG_SKIP] = engine.SKIP_VOTE
                     elif event == "late follower" and r == 1:
                         time.sleep(0.3)
                     elif event == "dies" and r == 1:
