@@ -28,7 +28,7 @@ rings' time for 9 calls in a row in quiet launches.)
   it); the estimates follow each call (:data:`WEIGHT`), a call counting as twice the estimate at
   most (one that lost its core for a time slice says nothing about the plan).
 - The plan not being run is timed again now and then, for :data:`PROBE_LEN` calls in a row, the
-  fastest of them replacing its estimate, which is a spell's old (:data:`PROBE_CALLS`): every 16
+  median of them replacing its estimate, which is a spell's old (:data:`PROBE_CALLS`): every 16
   calls while cma runs, half as often each time a probe finds cma still faster, down to every
   256; every 512 while the other runs.
 
@@ -133,7 +133,12 @@ ranks, waiting for ranks still starting, where later calls of 256 KiB took 0.1."
 EXPLORE_CALLS = 3 * WARM_CALLS
 
 PROBE_LEN = 3
-"""Calls in a row for which the plan not being run is asked for when it is timed again."""
+"""Calls in a row for which the plan not being run is asked for when it is timed again. Their
+median, not their fastest, is the plan's new estimate: in the VM's slow launches the rings' calls
+of a 4-rank broadcast of 256 KiB took 123-182 us at their 25th percentile on the leader and
+131-192 at their median, where the loop of them took 189-256 us a call, against cma's 104-116;
+the fastest of a probe's calls sent the leader back to the rings after each probe
+(``benchmarks/RESULTS.md``, stop 53)."""
 
 PROBE_CALLS = (16, 256, 512)
 """Every how many calls the plan not being run is timed again: while cma runs, first (doubling
@@ -164,6 +169,7 @@ class Timed:
         "probe_every",
         "probing",
         "probe_fresh",
+        "probe_times",
         "last_alt",
         "since",
     )
@@ -185,6 +191,7 @@ class Timed:
         self.probe_every = PROBE_CALLS[0]
         self.probing = False  # the call runs the plan not being run, to time it again
         self.probe_fresh = False  # no call of this probe counted yet
+        self.probe_times: list[int] = []  # what this probe's calls took
         self.last_alt = False  # whether it ran the other plan
         self.since = 0  # the call after which the leader last changed its mind (probes count from it)
 
@@ -243,8 +250,16 @@ class Timed:
             # starting, or for a program's (a benchmark's) first barriers around them.
             est[which] = float(elapsed_ns) if not est[which] else min(est[which], elapsed_ns)
         elif self.probing and which != self.on_alt:
-            est[which] = float(elapsed_ns) if self.probe_fresh else min(est[which], elapsed_ns)
+            if self.probe_fresh:
+                self.probe_times.clear()
             self.probe_fresh = False
+            times = self.probe_times
+            times.append(elapsed_ns)
+            times.sort()
+            half = len(times) // 2
+            est[which] = float(times[half] if len(times) % 2 else (times[half - 1] + times[half]) / 2)
+            if len(times) < PROBE_LEN:
+                return  # (decided on the probe's median: one fast call is no reason to switch)
         else:  # (a call preempted for a time slice counts as twice the estimate at most)
             est[which] += WEIGHT * (min(elapsed_ns, 2 * est[which]) - est[which])
         if not (est[0] and est[1]):

@@ -61,6 +61,39 @@ def test_cma_is_taken_when_the_rings_slow_down_and_left_when_they_recover() -> N
     assert not any(votes[back:])
 
 
+class Spread(Leader):
+    """A leader whose rings' calls take in turn the times of ``own_cycle`` (a slow spell: most a
+    little under their mean, some far over it)."""
+
+    def __init__(self, own_cycle: list[float]) -> None:
+        super().__init__()
+        self.cycle = own_cycle
+        self.own_calls = 0
+
+    def run(self, calls: int, own_us: float, alt_us: float) -> list[bool]:
+        votes = []
+        for _ in range(calls):
+            vote = self.t.vote()
+            self.t.ran(vote)
+            votes.append(vote)
+            if not vote:
+                own_us = self.cycle[self.own_calls % len(self.cycle)]
+                self.own_calls += 1
+            self.t.took(int(1000 * (alt_us if vote else own_us)))
+        return votes
+
+
+def test_a_probe_of_rings_whose_calls_are_spread_counts_their_median() -> None:
+    """The rings' calls 100, 190 or 310 us in turn (mean 200), cma's 120: cma is kept, though one
+    call of the rings in three is faster than cma's."""
+    lead = Spread([100, 190, 310])
+    lead.run(START, 0, 120)
+    lead.run(64, 0, 120)
+    votes = lead.run(3 * PROBE_CALLS[1], 0, 120)
+    assert lead.t.on_alt
+    assert votes.count(False) <= 8 * PROBE_LEN, votes.count(False)  # (the probes alone)
+
+
 def test_a_noisy_call_does_not_flip_the_vote() -> None:
     lead = Leader()
     lead.run(START + 1, 200, 300)
