@@ -398,7 +398,7 @@ _BROADCAST_TIMED_UNTIL = 1 << 20
 
 def _broadcast_timed(query: Query, size: int) -> bool:
     """Where ``auto`` times cma against its own pick at every call (``comm/timed.py``): every
-    broadcast of 3 ranks and more it leaves to the rings from ``comm.timed.BROADCAST_FROM`` (512
+    broadcast of 3 ranks and more it leaves to the rings from ``comm.timed.BROADCAST_FROM`` (256
     KiB) to 1 MiB. The rings' hand-offs are what the VM's slow launches slow down, and a broadcast
     is all hand-offs (2-core Zen 4 VM, stop 52, 4 ranks, ``dbtree`` / cma in one launch: 512 KiB
     390-505 against 127-160 us in slow launches, 78-88 against 98-125 in quiet ones). Not above

@@ -91,16 +91,17 @@ Not below: at 64 KiB a launch in which the rings were quicker than usual (4.1 us
 8) had ``auto`` at 1.32x their time."""
 
 
-BROADCAST_FROM = 512 << 10
+BROADCAST_FROM = 256 << 10
 """Bytes from which a broadcast may be timed (3 ranks and more: ``algos.cma``'s
 ``_broadcast_timed``). A broadcast's rings lose more in the VM's slow launches than a
 reduction's, and from smaller calls (2-core Zen 4 VM, stop 52, 4 ranks, ``dbtree`` / cma in one
 launch, 3 slow launches of 8: 256 KiB 203-212 against 77-90 us, 512 KiB 390-505 against 127-160;
-in the 5 quiet ones 44-57 against 56-87, 78-88 against 98-125). At 512 KiB the timed shape ran
-at 0.96-1.05x ``dbtree``'s time in 7 quiet launches at 4 ranks and 0.41-0.69x in 5 slow ones (3
-ranks: 0.74-1.05 quiet, 0.46 in the slow one; 1 MiB 0.94-1.05 and 0.57); at 256 KiB it did not
-gain in slow launches (its calls of cma wait for every rank's vote, a sync more than cma named:
-192-229 us against ``dbtree``'s 188-246 and cma's 101-151)."""
+in the 5 quiet ones 44-57 against 56-87, 78-88 against 98-125). From 512 KiB at stop 52; from
+256 KiB since stop 53, where the entry agrees on cma too and the leader votes after its calls
+(``benchmarks/timed_choice.py -n 4 -c broadcast --sizes 256K --from 256K --calls 200``): 0.48-0.57x
+``dbtree``'s time in 3 slow launches of 12 (1.07-1.45x cma's), 0.96-1.10x in the 9 quiet ones
+(median 1.03); at 3 ranks 0.62-0.87x in 6 slow launches of 8, 0.99 and 1.20 in the 2 quiet ones.
+(Stop 52, with cma's calls agreed in Python, gained nothing at 256 KiB in slow launches.)"""
 
 
 def timed_from(collective: str, world_size: int) -> int:
