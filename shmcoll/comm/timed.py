@@ -100,7 +100,7 @@ in the 5 quiet ones 44-57 against 56-87, 78-88 against 98-125). From 512 KiB at 
 256 KiB since stop 53, where the entry agrees on cma too and the leader votes after its calls
 (``benchmarks/timed_choice.py -n 4 -c broadcast --sizes 256K --from 256K --calls 200``): 0.48-0.57x
 ``dbtree``'s time in 3 slow launches of 12 (1.07-1.45x cma's), 0.96-1.10x in the 9 quiet ones
-(median 1.03); at 3 ranks 0.62-0.87x in 6 slow launches of 8, 0.99 and 1.20 in the 2 quiet ones.
+(median 1.03); at 3 ranks 0.62-0.93x in 6 slow launches of 8, 0.99 and 1.20 in the 2 quiet ones.
 (Stop 52, with cma's calls agreed in Python, gained nothing at 256 KiB in slow launches.)"""
 
 
@@ -136,7 +136,7 @@ EXPLORE_CALLS = 3 * WARM_CALLS
 PROBE_LEN = 3
 """Calls in a row for which the plan not being run is asked for when it is timed again. Their
 median, not their fastest, is the plan's new estimate: in the VM's slow launches the rings' calls
-of a 4-rank broadcast of 256 KiB took 123-182 us at their 25th percentile on the leader and
+of a 4-rank broadcast of 256 KiB took 114-182 us at their 25th percentile on the leader and
 131-192 at their median, where the loop of them took 189-256 us a call, against cma's 104-116;
 the fastest of a probe's calls sent the leader back to the rings after each probe
 (``benchmarks/RESULTS.md``, stop 53)."""
