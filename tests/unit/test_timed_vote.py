@@ -20,8 +20,12 @@ class Leader:
             vote = self.t.vote()
             self.t.ran(vote)
             votes.append(vote)
-            self.t.took(int(1000 * (alt_us if vote else own_us)))
+            self.t.took(int(1000 * (alt_us if vote else self.own(own_us))))
         return votes
+
+    def own(self, own_us: float) -> float:
+        """What a call of the rings takes."""
+        return own_us
 
 
 def _numbers(first: int, votes: list[bool], which: bool) -> list[int]:
@@ -70,17 +74,9 @@ class Spread(Leader):
         self.cycle = own_cycle
         self.own_calls = 0
 
-    def run(self, calls: int, own_us: float, alt_us: float) -> list[bool]:
-        votes = []
-        for _ in range(calls):
-            vote = self.t.vote()
-            self.t.ran(vote)
-            votes.append(vote)
-            if not vote:
-                own_us = self.cycle[self.own_calls % len(self.cycle)]
-                self.own_calls += 1
-            self.t.took(int(1000 * (alt_us if vote else own_us)))
-        return votes
+    def own(self, own_us: float) -> float:
+        self.own_calls += 1
+        return self.cycle[(self.own_calls - 1) % len(self.cycle)]
 
 
 def test_a_probe_of_rings_whose_calls_are_spread_counts_their_median() -> None:
